@@ -1,0 +1,22 @@
+import os
+
+from sb3_influence.common.buffers import InfluenceDictRolloutBuffer, InfluenceRolloutBuffer
+from sb3_influence.common.influence import InfluenceEngine
+from sb3_influence.common.targets import ActionTarget, ReturnTarget, Target
+from sb3_influence.influence_ppo import InfluencePPO
+
+# Read version from file
+version_file = os.path.join(os.path.dirname(__file__), "version.txt")
+with open(version_file) as file_handler:
+    __version__ = file_handler.read().strip()
+
+__all__ = [
+    "ActionTarget",
+    "InfluenceDictRolloutBuffer",
+    "InfluenceEngine",
+    "InfluencePPO",
+    "InfluenceRolloutBuffer",
+    "ReturnTarget",
+    "Target",
+    "__version__",
+]

@@ -1,0 +1,35 @@
+"""``sb3-influence``: one command line, one sub-command per job (imported only when used)."""
+
+import importlib
+import sys
+
+# sub-command -> (module, one-line help); each module has ``main(argv: list[str] | None) -> int | None``
+COMMANDS = {
+    "run": ("sb3_influence.demo", "train InfluencePPO with IIF on a small default and print an attribution summary"),
+    "bench": ("sb3_influence.bench", "run the paper's PPO / IIF / random-filtering comparison and summarise it"),
+    "report": ("sb3_influence.analysis.report", "build an HTML report (and PNGs) from a run's attribution snapshots"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: sb3-influence COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`sb3-influence COMMAND --help` lists a command's arguments."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"sb3-influence: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

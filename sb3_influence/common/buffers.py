@@ -1,0 +1,176 @@
+"""Rollout buffers that know their records: ids, a keep mask and the first epoch's minibatches."""
+
+from collections.abc import Generator
+from typing import Any
+
+import numpy as np
+from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
+from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
+
+_FLAT_FIELDS = ("actions", "values", "log_probs", "advantages", "returns")
+
+
+class InfluenceRolloutBufferMixin:
+    """
+    What ``InfluenceRolloutBuffer`` and ``InfluenceDictRolloutBuffer`` add to SB3's rollout buffers.
+
+    Every entry ``(step, env)`` of the buffer is a *record* (METHOD §1). Its id follows SB3's own flattening
+    (``swap_and_flatten``): ``record_id = env * n_steps + step``.
+
+    - ``keep``: boolean array of shape ``(n_steps, n_envs)``, all ``True`` after each rollout. ``get()`` yields
+      minibatches made of the kept records only, so a dropped record has no effect on the update and fewer
+      records mean fewer optimiser steps.
+    - The permutation of the first epoch is drawn once per rollout (from numpy's global RNG, exactly as
+      ``RolloutBuffer.get`` draws it) and reused by the first call of ``get()``. Influence scoring uses it to
+      normalise advantages with the statistics of the minibatch each record will sit in (METHOD §2); drawing
+      it early consumes the RNG in the same order, so training stays bit-identical to ``PPO``.
+    """
+
+    buffer_size: int
+    n_envs: int
+    generator_ready: bool
+    full: bool
+    keep: np.ndarray
+    _first_permutation: np.ndarray | None
+    rollout_index: int
+
+    def _reset_records(self) -> None:
+        self.keep = np.ones((self.buffer_size, self.n_envs), dtype=bool)
+        self._first_permutation = None
+        # Counts rollouts, so that cached influence scores never outlive the records they score
+        self.rollout_index = getattr(self, "rollout_index", -1) + 1
+
+    @property
+    def n_records(self) -> int:
+        """Number of records the buffer holds when full (``n_steps * n_envs``)."""
+        return self.buffer_size * self.n_envs
+
+    @property
+    def record_ids(self) -> np.ndarray:
+        """Flat record ids, shape ``(n_steps, n_envs)``: ``env * n_steps + step``."""
+        steps = np.arange(self.buffer_size)[:, None]
+        envs = np.arange(self.n_envs)[None, :]
+        return envs * self.buffer_size + steps
+
+    def to_records(self, values: np.ndarray) -> np.ndarray:
+        """Reshape a flat per-record array (indexed by record id) to ``(n_steps, n_envs, ...)``."""
+        values = np.asarray(values)
+        return values.reshape(self.n_envs, self.buffer_size, *values.shape[1:]).swapaxes(0, 1)
+
+    def to_flat(self, values: np.ndarray) -> np.ndarray:
+        """Reshape a ``(n_steps, n_envs, ...)`` array to a flat array indexed by record id."""
+        values = np.asarray(values)
+        return values.swapaxes(0, 1).reshape(self.n_records, *values.shape[2:])
+
+    @property
+    def flat_keep(self) -> np.ndarray:
+        """The keep mask indexed by record id, shape ``(n_steps * n_envs,)``."""
+        keep = np.asarray(self.keep, dtype=bool)
+        if keep.shape != (self.buffer_size, self.n_envs):
+            raise ValueError(
+                f"rollout_buffer.keep must have shape (n_steps, n_envs) = {(self.buffer_size, self.n_envs)}, "
+                f"got {keep.shape}. Modify it in place (e.g. `buffer.keep[step, env] = False`) instead of replacing it."
+            )
+        return self.to_flat(keep)
+
+    def first_epoch_permutation(self) -> np.ndarray:
+        """
+        The record order of the first training epoch, drawn once per rollout and reused by ``get()``.
+
+        :return: A permutation of all record ids (dropped records included: ``get()`` skips them).
+        """
+        if self._first_permutation is None:
+            self._first_permutation = np.random.permutation(self.n_records)
+        return self._first_permutation
+
+    def first_epoch_minibatch_ids(self, batch_size: int) -> np.ndarray:
+        """
+        Index of the minibatch each record would sit in during the first epoch if no record were dropped.
+
+        :param batch_size: The PPO minibatch size.
+        :return: Flat array of shape ``(n_steps * n_envs,)`` indexed by record id.
+        """
+        permutation = self.first_epoch_permutation()
+        minibatch = np.empty(self.n_records, dtype=np.int64)
+        minibatch[permutation] = np.arange(self.n_records) // batch_size
+        return minibatch
+
+    def _prepare_flat(self) -> None:
+        """Flatten the stored arrays to record-id order, as ``RolloutBuffer.get`` does on its first call."""
+        raise NotImplementedError
+
+    def _kept_minibatches(self, batch_size: int | None) -> Generator[np.ndarray, None, None]:
+        assert self.full, "The rollout buffer is not full yet: collect a rollout first"
+        if self._first_permutation is not None:
+            indices, self._first_permutation = self._first_permutation, None
+        else:
+            indices = np.random.permutation(self.n_records)
+        self._prepare_flat()
+        keep = self.flat_keep
+        if not keep.all():
+            indices = indices[keep[indices]]
+        if batch_size is None:
+            batch_size = self.n_records
+        for start_idx in range(0, len(indices), batch_size):
+            yield indices[start_idx : start_idx + batch_size]
+
+    def flat_field(self, name: str) -> Any:
+        """
+        A buffer field in record-id order, whatever state the buffer is in.
+
+        :param name: ``observations``, ``actions``, ``rewards``, ``episode_starts``, ``values``, ``log_probs``,
+            ``advantages`` or ``returns``.
+        :return: The flattened array (a dict of arrays for Dict observations).
+        """
+        if name in ("rewards", "episode_starts"):
+            # SB3 never flattens these two
+            return self.to_flat(getattr(self, name))
+        self._prepare_flat()
+        value = getattr(self, name)
+        if name in ("observations", "actions"):
+            return value
+        return value.reshape(-1)
+
+
+class InfluenceRolloutBuffer(InfluenceRolloutBufferMixin, RolloutBuffer):
+    """
+    ``RolloutBuffer`` with record ids and a keep mask, see :class:`InfluenceRolloutBufferMixin`.
+    The constructor takes the same arguments as ``RolloutBuffer``.
+    """
+
+    def reset(self) -> None:
+        super().reset()
+        self._reset_records()
+
+    def _prepare_flat(self) -> None:
+        if not self.generator_ready:
+            for name in ("observations", *_FLAT_FIELDS):
+                self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
+            self.generator_ready = True
+
+    def get(self, batch_size: int | None = None) -> Generator[RolloutBufferSamples, None, None]:
+        for batch_inds in self._kept_minibatches(batch_size):
+            yield self._get_samples(batch_inds)
+
+
+class InfluenceDictRolloutBuffer(InfluenceRolloutBufferMixin, DictRolloutBuffer):
+    """
+    ``DictRolloutBuffer`` with record ids and a keep mask, see :class:`InfluenceRolloutBufferMixin`.
+    The constructor takes the same arguments as ``DictRolloutBuffer``.
+    """
+
+    def reset(self) -> None:
+        super().reset()
+        self._reset_records()
+
+    def _prepare_flat(self) -> None:
+        if not self.generator_ready:
+            for key, obs in self.observations.items():
+                self.observations[key] = self.swap_and_flatten(obs)
+            for name in _FLAT_FIELDS:
+                self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
+            self.generator_ready = True
+
+    def get(self, batch_size: int | None = None) -> Generator[DictRolloutBufferSamples, None, None]:  # type: ignore[override]
+        for batch_inds in self._kept_minibatches(batch_size):
+            yield self._get_samples(batch_inds)

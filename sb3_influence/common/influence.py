@@ -1,0 +1,296 @@
+"""
+The scoring engine: influence of every rollout record on a target, without per-record gradients.
+
+For a record i with training loss ``ℓ_i = −Â_i log π(a_i|s_i)`` and a target f (METHOD §2)::
+
+    I_i = −⟨∇θ ℓ_i, ∇θ f⟩ = Â_i · ⟨∇θ log π(a_i|s_i), v⟩,    v = ∇θ f.
+
+So the engine computes one target gradient ``v`` and then the *alignment* ``D_i = ⟨∇θ log π_i, v⟩`` of every
+record, in chunks:
+
+- ``Linear`` and ``Conv2d`` layers: the ghost dot product (METHOD §3). A forward hook keeps the layer input
+  ``x_i``; the gradient ``g_i`` of ``Σ_i log π_i`` with respect to the layer output is record i's own (records
+  do not interact), and ``⟨g_i x_iᵀ, P⟩ + ⟨g_i, p_b⟩ = ((x_i Pᵀ) ⊙ g_i).sum()`` with ``P = v_W``. Conv2d uses the
+  same identity on ``unfold`` patches. A layer called several times adds one term per call.
+- Every other parameter (``log_std``, layer norms, embeddings, convolutions with groups, ...): one
+  forward-mode pass, ``torch.func.jvp`` of the per-record log-probabilities in the direction of ``v``
+  restricted to those parameters, which is exactly ``D_i`` for them.
+
+``method="jvp"`` sends every parameter down the forward-mode path; it is the cross-check of the ghost path.
+Memory is O(chunk · layer width): no ``[n, G, F]`` tensor is ever built. Scoring runs in eval mode and with no
+hooks left behind, never touches ``.grad`` or the optimizer, and restores ``policy.training``.
+"""
+
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch as th
+import torch.nn.functional as F
+from gymnasium import spaces
+from stable_baselines3.common.policies import ActorCriticPolicy
+from stable_baselines3.common.preprocessing import preprocess_obs
+from torch import nn
+
+from sb3_influence.common.targets import Target
+
+if TYPE_CHECKING:
+    from sb3_influence.common.buffers import InfluenceRolloutBufferMixin
+
+INFLUENCE_METHODS = ("ghost", "jvp")
+
+Batch = tuple[np.ndarray, Any, th.Tensor, th.Tensor]
+
+
+class _ActorLogProb(nn.Module):
+    """``forward(obs, actions) = log π(a|s)``: the actor path of an ``ActorCriticPolicy`` as a module."""
+
+    def __init__(self, engine: "InfluenceEngine"):
+        super().__init__()
+        self.policy = engine.policy
+        # Kept out of the module tree: the engine is not a module
+        self.__dict__["engine"] = engine
+
+    def forward(self, observations: Any, actions: th.Tensor) -> th.Tensor:
+        return self.engine._log_prob_tensors(observations, actions)
+
+
+def _ghostable(module: nn.Module) -> bool:
+    if isinstance(module, nn.Linear):
+        return True
+    if isinstance(module, nn.Conv2d):
+        return module.groups == 1 and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+    return False
+
+
+def _ghost_dot(module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None) -> th.Tensor:
+    """``⟨∂(log π_i)/∂W, v_W⟩ + ⟨∂(log π_i)/∂b, v_b⟩`` for every record, from one layer call (METHOD §3)."""
+    n = inputs.shape[0]
+    if isinstance(module, nn.Conv2d):
+        # Patches U: [n, C·kh·kw, L]; output gradient G: [n, O, L]
+        patches = F.unfold(inputs, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+        grad_out = grad_out.reshape(n, grad_out.shape[1], -1)
+        out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
+        if v_weight is not None:
+            out = out + (th.matmul(v_weight.reshape(v_weight.shape[0], -1), patches) * grad_out).sum(dim=(1, 2))
+        if v_bias is not None:
+            out = out + grad_out.sum(dim=2) @ v_bias
+        return out
+    # Linear: inputs [n, ..., F], grad_out [n, ..., G]
+    inputs = inputs.reshape(n, -1, inputs.shape[-1])
+    grad_out = grad_out.reshape(n, -1, grad_out.shape[-1])
+    out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
+    if v_weight is not None:
+        out = out + ((inputs @ v_weight.T) * grad_out).sum(dim=(1, 2))
+    if v_bias is not None:
+        out = out + grad_out.sum(dim=1) @ v_bias
+    return out
+
+
+class InfluenceEngine:
+    """
+    Scores the records of a model's rollout buffer. Built by ``InfluencePPO._setup_model``; users call
+    ``model.compute_influence`` rather than the engine.
+
+    :param policy: The actor-critic policy whose ``log π`` is differentiated.
+    :param buffer: The rollout buffer whose records are scored.
+    :param method: ``"ghost"`` (hooks on Linear/Conv2d, forward-mode for the rest) or ``"jvp"`` (forward-mode
+        for every parameter).
+    """
+
+    def __init__(self, policy: ActorCriticPolicy, buffer: "InfluenceRolloutBufferMixin", method: str = "ghost"):
+        if method not in INFLUENCE_METHODS:
+            raise ValueError(f"influence_method must be one of {INFLUENCE_METHODS}, got {method!r}")
+        self.policy = policy
+        self.buffer = buffer
+        self.method = method
+        self._actor = _ActorLogProb(self)
+
+    # ------------------------------------------------------------------ log-probabilities
+    @property
+    def dtype(self) -> th.dtype:
+        return next(self.policy.parameters()).dtype
+
+    @property
+    def device(self) -> th.device:
+        return self.policy.device
+
+    def _to_tensor(self, value: Any) -> th.Tensor:
+        return value.to(self.device) if isinstance(value, th.Tensor) else th.as_tensor(np.asarray(value), device=self.device)
+
+    def log_prob(self, observations: Any, actions: Any) -> th.Tensor:
+        """
+        Differentiable ``log π_θ(a|s)`` for a batch of observations (numpy or torch, dict for Dict spaces).
+
+        :param observations: Observations as the policy sees them, with a leading batch dimension.
+        :param actions: Actions with the same leading dimension.
+        :return: Tensor of shape ``(batch,)``.
+        """
+        if isinstance(observations, dict):
+            observations = {key: self._to_tensor(value) for key, value in observations.items()}
+        else:
+            observations = self._to_tensor(observations)
+        return self._actor(observations, self._to_tensor(actions))
+
+    def _log_prob_tensors(self, observations: Any, actions: th.Tensor) -> th.Tensor:
+        policy = self.policy
+        preprocessed = preprocess_obs(observations, policy.observation_space, normalize_images=policy.normalize_images)
+        # SB3's preprocessing casts to float32; follow the policy's dtype (float64 in the exactness tests)
+        if isinstance(preprocessed, dict):
+            preprocessed = {key: value.to(self.dtype) for key, value in preprocessed.items()}
+        else:
+            preprocessed = preprocessed.to(self.dtype)
+        features = policy.pi_features_extractor(preprocessed)
+        latent_pi = policy.mlp_extractor.forward_actor(features)
+        distribution = policy._get_action_dist_from_latent(latent_pi)
+        if isinstance(policy.action_space, spaces.Discrete):
+            actions = actions.long().flatten()
+        else:
+            actions = actions.to(self.dtype)
+        return distribution.log_prob(actions)
+
+    def buffer_batches(self, batch_size: int, advantages: np.ndarray | None = None) -> Generator[Batch, None, None]:
+        """
+        The current rollout buffer in record-id order, in chunks.
+
+        :param batch_size: Records per chunk.
+        :param advantages: Per-record advantages to yield instead of the raw GAE advantages.
+        :return: Tuples ``(record_ids, observations, actions, advantages)``, tensors on the model's device.
+        """
+        buffer = self.buffer
+        if not buffer.full:
+            raise RuntimeError("No rollout to score: the rollout buffer is empty. Collect a rollout first (learn()).")
+        observations = buffer.flat_field("observations")
+        actions = buffer.flat_field("actions")
+        if advantages is None:
+            advantages = buffer.flat_field("advantages")
+        for start in range(0, buffer.n_records, batch_size):
+            ids = np.arange(start, min(start + batch_size, buffer.n_records))
+            if isinstance(observations, dict):
+                obs = {key: self._to_tensor(value[ids]) for key, value in observations.items()}
+            else:
+                obs = self._to_tensor(observations[ids])
+            yield (
+                ids,
+                obs,
+                self._to_tensor(actions[ids].astype(np.float32, copy=False)),
+                self._to_tensor(advantages[ids]).to(self.dtype),
+            )
+
+    # ------------------------------------------------------------------ scoring
+    def target_gradient(self, target: Target, batch_size: int) -> dict[str, th.Tensor]:
+        """
+        ``∇θ f`` for the parameters ``log π`` depends on (those that receive a gradient).
+
+        :param target: The target f.
+        :param batch_size: Samples per forward pass.
+        :return: Parameter name → gradient; parameters f does not depend on are left out.
+        """
+        names, params = zip(*[(name, p) for name, p in self.policy.named_parameters() if p.requires_grad], strict=True)
+        total: list[th.Tensor | None] = [None] * len(params)
+        n_terms = 0
+        for term in target.terms(self, batch_size):
+            n_terms += 1
+            grads = th.autograd.grad(term, params, allow_unused=True)
+            total = [acc if g is None else (g if acc is None else acc + g) for acc, g in zip(total, grads, strict=True)]
+        if n_terms == 0:
+            raise ValueError(f"Target {target.name!r} yielded no terms: it defines no objective")
+        return {name: g.detach() for name, g in zip(names, total, strict=True) if g is not None}
+
+    @contextmanager
+    def _capture(self, modules: list[nn.Module]) -> Iterator[list[tuple[nn.Module, th.Tensor, th.Tensor]]]:
+        calls: list[tuple[nn.Module, th.Tensor, th.Tensor]] = []
+
+        def hook(module: nn.Module, inputs: tuple[th.Tensor, ...], output: th.Tensor) -> None:
+            calls.append((module, inputs[0].detach(), output))
+
+        handles = [module.register_forward_hook(hook) for module in modules]
+        try:
+            yield calls
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def alignment(self, v: dict[str, th.Tensor], batch_size: int) -> np.ndarray:
+        """
+        ``D_i = ⟨∇θ log π(a_i|s_i), v⟩`` for every record of the buffer.
+
+        :param v: A direction in parameter space (usually a target gradient), by parameter name.
+        :param batch_size: Records per chunk.
+        :return: Flat float64 array indexed by record id.
+        """
+        named = dict(self.policy.named_parameters())
+        name_of = {id(param): name for name, param in named.items()}
+        ghost_modules, v_by_module, covered = [], {}, set()
+        if self.method == "ghost":
+            for module in self.policy.modules():
+                if not _ghostable(module):
+                    continue
+                v_w = v.get(name_of.get(id(module.weight), ""))
+                v_b = v.get(name_of.get(id(module.bias), "")) if module.bias is not None else None
+                if v_w is None and v_b is None:
+                    continue
+                ghost_modules.append(module)
+                v_by_module[module] = (v_w, v_b)
+                covered.add(id(module.weight))
+                if module.bias is not None:
+                    covered.add(id(module.bias))
+        rest = {name: v[name] for name in v if id(named[name]) not in covered}
+
+        scores = np.zeros(self.buffer.n_records, dtype=np.float64)
+        for ids, obs, actions, _ in self.buffer_batches(batch_size):
+            chunk = th.zeros(len(ids), dtype=self.dtype, device=self.device)
+            if ghost_modules:
+                with self._capture(ghost_modules) as calls:
+                    log_prob = self._actor(obs, actions)
+                outputs = [output for _, _, output in calls]
+                grads = th.autograd.grad(log_prob.sum(), outputs, allow_unused=True)
+                for (module, inputs, _), grad_out in zip(calls, grads, strict=True):
+                    if grad_out is not None:
+                        chunk = chunk + _ghost_dot(module, inputs, grad_out, *v_by_module[module])
+                del calls, outputs, grads, log_prob
+            if rest:
+                chunk = chunk + self._jvp(rest, obs, actions)
+            scores[ids] = chunk.detach().cpu().double().numpy()
+        return scores
+
+    def _jvp(self, v: dict[str, th.Tensor], obs: Any, actions: th.Tensor) -> th.Tensor:
+        names = list(v)
+        named = dict(self.policy.named_parameters())
+        primals = tuple(named[name].detach() for name in names)
+        tangents = tuple(v[name] for name in names)
+
+        def log_prob(*values: th.Tensor) -> th.Tensor:
+            params = {f"policy.{name}": value for name, value in zip(names, values, strict=True)}
+            return th.func.functional_call(self._actor, params, (obs, actions))
+
+        with th.no_grad():
+            _, tangent_out = th.func.jvp(log_prob, primals, tangents)
+        return tangent_out
+
+    def influence(self, target: Target, advantages: np.ndarray, batch_size: int) -> np.ndarray:
+        """
+        ``I_i = −⟨∇ℓ_i, ∇f⟩ = Â_i · D_i`` for every record (METHOD §2).
+
+        :param target: The target f.
+        :param advantages: ``Â_i`` as the coming update will see them, flat, indexed by record id.
+        :param batch_size: Records per chunk.
+        :return: Flat float64 array indexed by record id.
+        """
+        with self.eval_mode():
+            v = self.target_gradient(target, batch_size)
+            if not v:
+                return np.zeros(self.buffer.n_records)
+            return np.asarray(advantages, dtype=np.float64) * self.alignment(v, batch_size)
+
+    @contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """Score in eval mode (records must not interact, e.g. through batch norm) and restore the mode after."""
+        was_training = self.policy.training
+        self.policy.set_training_mode(False)
+        try:
+            yield
+        finally:
+            self.policy.set_training_mode(was_training)
+

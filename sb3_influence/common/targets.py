@@ -1,0 +1,155 @@
+"""
+Targets: the quantity f(θ) whose change an influence score measures (METHOD §2).
+
+Like kronfluence's ``Task``, the training loss of a record is fixed (the PPO surrogate at the behaviour policy,
+``ℓ_i = −Â_i log π(a_i|s_i)``) and the *measurement* is pluggable. A target is any object with a ``name`` and a
+``terms(engine, batch_size)`` method yielding scalar tensors whose sum is f(θ), each differentiable with respect
+to the policy parameters. The engine gives targets two helpers:
+
+- ``engine.log_prob(observations, actions)``: differentiable ``log π_θ(a|s)`` for a batch (numpy or torch);
+- ``engine.buffer_batches(batch_size)``: the current rollout buffer in chunks of
+  ``(record_ids, observations, actions, raw_advantages)`` tensors.
+"""
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+
+if TYPE_CHECKING:
+    from sb3_influence.common.influence import InfluenceEngine
+
+
+@runtime_checkable
+class Target(Protocol):
+    """
+    The protocol every target implements.
+
+    :ivar name: Short name used for logging and snapshot columns (``influence/<name>/...``).
+    """
+
+    name: str
+
+    def terms(self, engine: "InfluenceEngine", batch_size: int) -> Iterable[th.Tensor]:
+        """
+        Yield scalar tensors whose sum is f(θ).
+
+        :param engine: The influence engine of the model being scored (gives ``log_prob`` and ``buffer_batches``).
+        :param batch_size: The number of samples to put in one forward pass.
+        :return: Scalar tensors, each differentiable with respect to the policy parameters.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class ReturnTarget:
+    """
+    Return surrogate over the current rollout buffer (METHOD §2, what IIF uses):
+    ``f_return(θ) = (1/n) Σ_j A_j log π_θ(a_j|s_j)`` with raw (un-normalised) GAE advantages.
+    Records with a positive score help the agent's return, negative ones hurt it.
+    """
+
+    name: str = "return"
+
+    def terms(self, engine: "InfluenceEngine", batch_size: int) -> Iterator[th.Tensor]:
+        n_records = engine.buffer.n_records
+        for _, observations, actions, advantages in engine.buffer_batches(batch_size):
+            yield (advantages * engine.log_prob(observations, actions)).sum() / n_records
+
+
+@dataclass(eq=False)
+class ActionTarget:
+    """
+    Behaviour target: ``f_action(θ) = mean over the given pairs (s, a) of log π_θ(a|s)`` (METHOD §2).
+    Positive influence means the record makes these actions more likely in these states.
+
+    :param observations: The states, shape ``(m, *obs_shape)`` (a dict of such arrays for Dict observation
+        spaces), in the space the policy sees them (normalised, if ``VecNormalize`` is used). A single
+        observation of shape ``obs_shape`` counts as ``m = 1``.
+    :param actions: The actions, shape ``(m, *action_shape)``; ``(m,)`` for ``Discrete``.
+    :param name: Name used in logs and snapshot columns.
+    """
+
+    observations: Any
+    actions: Any
+    name: str = "action"
+
+    def _validated(self, engine: "InfluenceEngine") -> tuple[Any, np.ndarray]:
+        observation_space = engine.policy.observation_space
+        action_space = engine.policy.action_space
+        if isinstance(observation_space, spaces.Dict):
+            if not isinstance(self.observations, dict) or set(self.observations) != set(observation_space.spaces):
+                raise ValueError(
+                    f"ActionTarget: `observations` must be a dict with keys {sorted(observation_space.spaces)} "
+                    f"for a Dict observation space, got {type(self.observations).__name__}"
+                )
+            obs = {key: _with_batch(np.asarray(value), observation_space.spaces[key], "observations", key)
+                   for key, value in self.observations.items()}
+            counts = {len(value) for value in obs.values()}
+            if len(counts) != 1:
+                raise ValueError(f"ActionTarget: every key of `observations` must hold the same number of states, got {counts}")
+            n_pairs = counts.pop()
+        else:
+            obs = _with_batch(np.asarray(self.observations), observation_space, "observations")
+            n_pairs = len(obs)
+        actions = np.asarray(self.actions)
+        if isinstance(action_space, spaces.Discrete):
+            actions = actions.reshape(-1) if actions.ndim <= 1 or actions.shape[1:] == (1,) else actions
+            expected: tuple[int, ...] = (n_pairs,)
+        else:
+            actions = actions.reshape(1, *action_space.shape) if actions.shape == action_space.shape else actions
+            expected = (n_pairs, *action_space.shape)
+        if actions.shape != expected:
+            raise ValueError(
+                f"ActionTarget: `actions` must have shape {expected} to match {n_pairs} observation(s) and the action "
+                f"space {action_space}, got {actions.shape}"
+            )
+        if n_pairs == 0:
+            raise ValueError("ActionTarget: give at least one (observation, action) pair")
+        return obs, actions
+
+    def terms(self, engine: "InfluenceEngine", batch_size: int) -> Iterator[th.Tensor]:
+        obs, actions = self._validated(engine)
+        n_pairs = len(actions)
+        for start in range(0, n_pairs, batch_size):
+            chunk = slice(start, start + batch_size)
+            chunk_obs = {key: value[chunk] for key, value in obs.items()} if isinstance(obs, dict) else obs[chunk]
+            yield engine.log_prob(chunk_obs, actions[chunk]).sum() / n_pairs
+
+
+def _with_batch(value: np.ndarray, space: spaces.Space, argument: str, key: str | None = None) -> np.ndarray:
+    """Add the batch dimension to a single observation and check the shape against the space."""
+    where = f"{argument}[{key!r}]" if key is not None else argument
+    shape = () if isinstance(space, spaces.Discrete) else space.shape
+    if value.shape == shape:
+        return value[None]
+    if value.shape[1:] != shape:
+        raise ValueError(
+            f"ActionTarget: `{where}` must have shape (m, *{shape}) for the observation space {space}, got {value.shape}"
+        )
+    return value
+
+
+def as_target(target: "str | Target") -> "Target":
+    """
+    Turn what a user passes as ``target`` into a :class:`Target`.
+
+    :param target: ``"return"`` or an object implementing the :class:`Target` protocol.
+    :return: The target object.
+    """
+    if isinstance(target, str):
+        if target == "return":
+            return ReturnTarget()
+        raise ValueError(
+            f"Unknown target {target!r}: use 'return', an ActionTarget(observations, actions) "
+            "or an object implementing the sb3_influence.Target protocol"
+        )
+    if not isinstance(target, Target):
+        raise TypeError(
+            f"target must be 'return' or implement the Target protocol (a `name` and a `terms(engine, batch_size)` "
+            f"method), got {type(target).__name__}"
+        )
+    return target
