@@ -122,14 +122,14 @@ class InfluenceRolloutBufferMixin:
             ``advantages`` or ``returns``.
         :return: The flattened array (a dict of arrays for Dict observations).
         """
-        if name in ("rewards", "episode_starts"):
-            # SB3 never flattens these two
-            return self.to_flat(getattr(self, name))
-        self._prepare_flat()
         value = getattr(self, name)
-        if name in ("observations", "actions"):
-            return value
-        return value.reshape(-1)
+        if self.generator_ready and name not in ("rewards", "episode_starts"):
+            # Already flattened by get() (SB3 never flattens rewards and episode_starts)
+            return value if name in ("observations", "actions") else value.reshape(-1)
+        # A flattened copy: the buffer keeps SB3's (n_steps, n_envs, ...) layout until get() runs
+        if isinstance(value, dict):
+            return {key: self.to_flat(array) for key, array in value.items()}
+        return self.to_flat(value)
 
 
 class InfluenceRolloutBuffer(InfluenceRolloutBufferMixin, RolloutBuffer):

@@ -263,7 +263,9 @@ class InfluenceEngine:
 
         def log_prob(*values: th.Tensor) -> th.Tensor:
             params = {f"policy.{name}": value for name, value in zip(names, values, strict=True)}
-            return th.func.functional_call(self._actor, params, (obs, actions))
+            # One name per parameter and no weight tying: a shared features extractor is reachable under several
+            # names, and with tie_weights=True functional_call leaves the tied parameters swapped out afterwards
+            return th.func.functional_call(self._actor, params, (obs, actions), tie_weights=False)
 
         with th.no_grad():
             _, tangent_out = th.func.jvp(log_prob, primals, tangents)

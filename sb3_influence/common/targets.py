@@ -124,6 +124,9 @@ def _with_batch(value: np.ndarray, space: spaces.Space, argument: str, key: str 
     """Add the batch dimension to a single observation and check the shape against the space."""
     where = f"{argument}[{key!r}]" if key is not None else argument
     shape = () if isinstance(space, spaces.Discrete) else space.shape
+    if isinstance(space, spaces.Discrete) and value.ndim == 2 and value.shape[1] == 1:
+        # The rollout buffer stores Discrete observations as (n, 1)
+        value = value.reshape(-1)
     if value.shape == shape:
         return value[None]
     if value.shape[1:] != shape:
