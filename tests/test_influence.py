@@ -78,7 +78,9 @@ def test_action_target_exact(case):
     scores = model.compute_influence(ActionTarget(target_obs, target_actions))
 
     def target_fn(policy, _obs, _actions):
-        t_obs = {k: th.as_tensor(v) for k, v in target_obs.items()} if isinstance(target_obs, dict) else th.as_tensor(target_obs)
+        t_obs = (
+            {k: th.as_tensor(v) for k, v in target_obs.items()} if isinstance(target_obs, dict) else th.as_tensor(target_obs)
+        )
         return reference_log_prob(policy, t_obs, th.as_tensor(target_actions)).mean()
 
     expected = model.rollout_buffer.to_records(reference_influence(model, target_fn))
@@ -129,7 +131,14 @@ def test_first_order_sgd_step():
         f0 = target(policy, obs, actions).item()
     changes = []
     for i in range(100):
-        loss_i = -(adv[i] * reference_log_prob(policy, {k: v[i : i + 1] for k, v in obs.items()} if isinstance(obs, dict) else obs[i : i + 1], actions[i : i + 1])).sum()
+        loss_i = -(
+            adv[i]
+            * reference_log_prob(
+                policy,
+                {k: v[i : i + 1] for k, v in obs.items()} if isinstance(obs, dict) else obs[i : i + 1],
+                actions[i : i + 1],
+            )
+        ).sum()
         grads = th.autograd.grad(loss_i, params, allow_unused=True)
         with th.no_grad():
             for p, g in zip(params, grads, strict=True):

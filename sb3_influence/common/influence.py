@@ -50,10 +50,11 @@ class _ActorLogProb(nn.Module):
         super().__init__()
         self.policy = engine.policy
         # Kept out of the module tree: the engine is not a module
-        self.__dict__["engine"] = engine
+        self.__dict__["_engine"] = engine
 
     def forward(self, observations: Any, actions: th.Tensor) -> th.Tensor:
-        return self.engine._log_prob_tensors(observations, actions)
+        engine: InfluenceEngine = self.__dict__["_engine"]
+        return engine._log_prob_tensors(observations, actions)
 
 
 def _ghostable(module: nn.Module) -> bool:
@@ -64,12 +65,16 @@ def _ghostable(module: nn.Module) -> bool:
     return False
 
 
-def _ghost_dot(module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None) -> th.Tensor:
+def _ghost_dot(
+    module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
+) -> th.Tensor:
     """``⟨∂(log π_i)/∂W, v_W⟩ + ⟨∂(log π_i)/∂b, v_b⟩`` for every record, from one layer call (METHOD §3)."""
     n = inputs.shape[0]
     if isinstance(module, nn.Conv2d):
         # Patches U: [n, C·kh·kw, L]; output gradient G: [n, O, L]
-        patches = F.unfold(inputs, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+        padding = module.padding
+        assert not isinstance(padding, str)  # string paddings go to the forward-mode path (see _ghostable)
+        patches = F.unfold(inputs, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
         grad_out = grad_out.reshape(n, grad_out.shape[1], -1)
         out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
         if v_weight is not None:
@@ -167,6 +172,7 @@ class InfluenceEngine:
             advantages = buffer.flat_field("advantages")
         for start in range(0, buffer.n_records, batch_size):
             ids = np.arange(start, min(start + batch_size, buffer.n_records))
+            obs: Any
             if isinstance(observations, dict):
                 obs = {key: self._to_tensor(value[ids]) for key, value in observations.items()}
             else:
@@ -268,8 +274,8 @@ class InfluenceEngine:
             return th.func.functional_call(self._actor, params, (obs, actions), tie_weights=False)
 
         with th.no_grad():
-            _, tangent_out = th.func.jvp(log_prob, primals, tangents)
-        return tangent_out
+            outputs = th.func.jvp(log_prob, primals, tangents)
+        return outputs[1]
 
     def influence(self, target: Target, advantages: np.ndarray, batch_size: int) -> np.ndarray:
         """
@@ -295,4 +301,3 @@ class InfluenceEngine:
             yield
         finally:
             self.policy.set_training_mode(was_training)
-

@@ -44,7 +44,7 @@ class Target(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class ReturnTarget:
     """
     Return surrogate over the current rollout buffer (METHOD §2, what IIF uses):
@@ -53,6 +53,10 @@ class ReturnTarget:
     """
 
     name: str = "return"
+
+    def __hash__(self) -> int:
+        # Every ReturnTarget with the same name is the same objective: hashable, so scores can be cached
+        return hash((type(self), self.name))
 
     def terms(self, engine: "InfluenceEngine", batch_size: int) -> Iterator[th.Tensor]:
         n_records = engine.buffer.n_records
@@ -80,17 +84,22 @@ class ActionTarget:
     def _validated(self, engine: "InfluenceEngine") -> tuple[Any, np.ndarray]:
         observation_space = engine.policy.observation_space
         action_space = engine.policy.action_space
+        obs: Any
         if isinstance(observation_space, spaces.Dict):
             if not isinstance(self.observations, dict) or set(self.observations) != set(observation_space.spaces):
                 raise ValueError(
                     f"ActionTarget: `observations` must be a dict with keys {sorted(observation_space.spaces)} "
                     f"for a Dict observation space, got {type(self.observations).__name__}"
                 )
-            obs = {key: _with_batch(np.asarray(value), observation_space.spaces[key], "observations", key)
-                   for key, value in self.observations.items()}
+            obs = {
+                key: _with_batch(np.asarray(value), observation_space.spaces[key], "observations", key)
+                for key, value in self.observations.items()
+            }
             counts = {len(value) for value in obs.values()}
             if len(counts) != 1:
-                raise ValueError(f"ActionTarget: every key of `observations` must hold the same number of states, got {counts}")
+                raise ValueError(
+                    f"ActionTarget: every key of `observations` must hold the same number of states, got {counts}"
+                )
             n_pairs = counts.pop()
         else:
             obs = _with_batch(np.asarray(self.observations), observation_space, "observations")
@@ -100,8 +109,9 @@ class ActionTarget:
             actions = actions.reshape(-1) if actions.ndim <= 1 or actions.shape[1:] == (1,) else actions
             expected: tuple[int, ...] = (n_pairs,)
         else:
-            actions = actions.reshape(1, *action_space.shape) if actions.shape == action_space.shape else actions
-            expected = (n_pairs, *action_space.shape)
+            shape = tuple(action_space.shape or ())
+            actions = actions.reshape(1, *shape) if actions.shape == shape else actions
+            expected = (n_pairs, *shape)
         if actions.shape != expected:
             raise ValueError(
                 f"ActionTarget: `actions` must have shape {expected} to match {n_pairs} observation(s) and the action "

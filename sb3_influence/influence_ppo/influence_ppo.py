@@ -5,6 +5,7 @@ import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3 import PPO
+from stable_baselines3.common.base_class import maybe_make_env
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.policies import ActorCriticCnnPolicy, ActorCriticPolicy, BasePolicy, MultiInputActorCriticPolicy
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
@@ -15,6 +16,7 @@ from sb3_influence.common.targets import Target, as_target
 
 SelfInfluencePPO = TypeVar("SelfInfluencePPO", bound="InfluencePPO")
 
+_SUPPORTED_ACTION_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 _SUPPORTED_OBSERVATION_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
 
@@ -79,7 +81,9 @@ class InfluencePPO(PPO):
         if isinstance(influence_batch_size, bool) or not isinstance(influence_batch_size, (int, np.integer)):
             raise TypeError(f"influence_batch_size must be a positive int, got {influence_batch_size!r}")
         if influence_batch_size < 1:
-            raise ValueError(f"influence_batch_size must be a positive int (records per scoring chunk), got {influence_batch_size}")
+            raise ValueError(
+                f"influence_batch_size must be a positive int (records per scoring chunk), got {influence_batch_size}"
+            )
         if influence_method not in INFLUENCE_METHODS:
             raise ValueError(f"influence_method must be one of {INFLUENCE_METHODS}, got {influence_method!r}")
         if rollout_buffer_class is not None and not issubclass(rollout_buffer_class, InfluenceRolloutBufferMixin):
@@ -89,6 +93,11 @@ class InfluencePPO(PPO):
             )
         self.influence_batch_size = int(influence_batch_size)
         self.influence_method = influence_method
+        if env is not None:
+            # Make the env here (as BaseAlgorithm would) to reject unsupported spaces with a clear error
+            env = maybe_make_env(env, verbose)
+            _check_action_space(env.action_space)
+            _check_observation_space(env.observation_space)
         super().__init__(
             policy,
             env,
@@ -251,6 +260,13 @@ def _cache_key(target: Target) -> Any:
     except TypeError:
         return ("id", id(target))
     return ("target", target)
+
+
+def _check_action_space(space: spaces.Space) -> None:
+    if not isinstance(space, _SUPPORTED_ACTION_SPACES):
+        raise ValueError(
+            f"InfluencePPO does not support the action space {space}: use Box, Discrete, MultiDiscrete or MultiBinary"
+        )
 
 
 def _check_observation_space(space: spaces.Space) -> None:
