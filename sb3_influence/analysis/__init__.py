@@ -1,0 +1,41 @@
+"""
+The paper's three applications (METHOD §5) and the HTML report.
+
+- :mod:`~sb3_influence.analysis.diagnosis`: top/bottom records, exact advantages on tabular envs, the
+  influence-advantage correlation;
+- :mod:`~sb3_influence.analysis.formation`: behaviour formation across rounds, graph roughness;
+- :mod:`~sb3_influence.analysis.intervention`: retrain a round without chosen records;
+- :mod:`~sb3_influence.analysis.report`: ``sb3-influence report RUN_DIR``.
+
+pandas, matplotlib and scipy are imported inside the functions that need them.
+"""
+
+from sb3_influence.analysis.diagnosis import (
+    DiagnosisCallback,
+    TabularValues,
+    advantage_correlation,
+    diagnose_tabular,
+    tabular_true_advantages,
+    top_bottom_records,
+)
+from sb3_influence.analysis.formation import behaviour_formation, graph_roughness, plot_phases, state_embeddings
+from sb3_influence.analysis.intervention import InterventionCallback, drop_mask, intervene, target_value
+from sb3_influence.analysis.report import build_report
+
+__all__ = [
+    "DiagnosisCallback",
+    "InterventionCallback",
+    "TabularValues",
+    "advantage_correlation",
+    "behaviour_formation",
+    "build_report",
+    "diagnose_tabular",
+    "drop_mask",
+    "graph_roughness",
+    "intervene",
+    "plot_phases",
+    "state_embeddings",
+    "tabular_true_advantages",
+    "target_value",
+    "top_bottom_records",
+]

@@ -1,0 +1,292 @@
+"""
+Diagnosis of learning (METHOD §5.1): which records of a round hurt the return, and why.
+
+The records with the most negative influence on ``f_return`` tend to carry wrong advantage estimates (sign
+flips, large errors). :func:`top_bottom_records` lists the extremes of a snapshot with their advantages; on a
+tabular environment (FrozenLake) :func:`tabular_true_advantages` solves the current policy's values exactly and
+:func:`advantage_correlation` gives the Spearman correlation between influence and ``Ā·Â`` (true x estimated
+advantage; the paper reports -0.67 on FrozenLake at round 5). :class:`DiagnosisCallback` does it during training.
+"""
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.vec_env import VecEnv
+
+from sb3_influence.analysis._io import current_round, influence_key, snapshot_arrays
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from sb3_influence.influence_ppo import InfluencePPO
+
+_RECORD_COLUMNS = ("reward", "advantage", "training_advantage", "return", "value", "log_prob", "episode_start", "keep")
+
+
+def top_bottom_records(snapshot: Any, target: str | None = None, k: int = 10) -> "pd.DataFrame":
+    """
+    The ``k`` most helpful and ``k`` most harmful records of one round, with their advantage estimates.
+
+    :param snapshot: A snapshot path, ``load_snapshot`` result or dict of arrays.
+    :param target: The target whose influence ranks the records (default ``"return"``, else the only one).
+    :param k: Records per group.
+    :return: DataFrame with columns ``group`` (``"top"``/``"bottom"``), ``rank`` (0 = most extreme), ``step``,
+        ``env``, ``record_id``, ``influence``, ``obs``, ``action`` and every per-record field of the snapshot.
+    """
+    import pandas as pd
+
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be a positive int (records per group), got {k!r}")
+    arrays = snapshot_arrays(snapshot)
+    scores = np.asarray(arrays[influence_key(arrays, target)], dtype=np.float64)
+    n_steps, n_envs = scores.shape
+    flat = scores.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    k = min(int(k), flat.size)
+    rows = []
+    for group, positions in (("top", order[::-1][:k]), ("bottom", order[:k])):
+        for rank, position in enumerate(positions):
+            step, env = divmod(int(position), n_envs)
+            row: dict[str, Any] = {
+                "group": group,
+                "rank": rank,
+                "step": step,
+                "env": env,
+                "record_id": env * n_steps + step,
+                "influence": float(flat[position]),
+            }
+            for name in _RECORD_COLUMNS:
+                if name in arrays:
+                    row[name] = np.asarray(arrays[name]).reshape(n_steps * n_envs)[position].item()
+            for name in ("obs", "action"):
+                if name in arrays:
+                    value = np.asarray(arrays[name])[step, env]
+                    row[name] = value.item() if value.size == 1 else value
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+@dataclass
+class TabularValues:
+    """
+    Exact values of a policy on a tabular MDP.
+
+    :ivar policy: ``π(a|s)``, shape ``(n_states, n_actions)``.
+    :ivar v: ``V^π(s)``, shape ``(n_states,)``.
+    :ivar q: ``Q^π(s, a) = Σ p (r + gamma V(s') (1 - done))``, shape ``(n_states, n_actions)``.
+    :ivar advantage: ``A^π = Q^π - V^π``, shape ``(n_states, n_actions)``.
+    """
+
+    policy: np.ndarray
+    v: np.ndarray
+    q: np.ndarray
+    advantage: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.advantage = self.q - self.v[:, None]
+
+
+def _unwrapped_env(model: "InfluencePPO", env: Any) -> Any:
+    if env is None:
+        env = model.get_env()
+        if env is None:
+            raise ValueError("env: the model has no environment; pass the tabular env (e.g. FrozenLake) as `env`")
+    if isinstance(env, VecEnv):
+        envs = getattr(env, "envs", None)
+        if not envs:
+            raise ValueError("env: cannot reach the transition table of a SubprocVecEnv; pass a plain gym env as `env`")
+        env = envs[0]
+    unwrapped = getattr(env, "unwrapped", env)
+    if not hasattr(unwrapped, "P"):
+        raise ValueError(
+            f"env: {type(unwrapped).__name__} has no transition table `P` (env.unwrapped.P[s][a] = [(p, s', r, done)]); "
+            "true advantages need a tabular env such as FrozenLake-v1"
+        )
+    return unwrapped
+
+
+def policy_probabilities(model: "InfluencePPO", n_states: int) -> np.ndarray:
+    """
+    ``π_θ(a|s)`` of a policy with a ``Discrete`` observation and action space, for every state.
+
+    :param model: The model (its current parameters are used).
+    :param n_states: Number of states.
+    :return: Array of shape ``(n_states, n_actions)``.
+    """
+    if not isinstance(model.observation_space, spaces.Discrete) or not isinstance(model.action_space, spaces.Discrete):
+        raise ValueError(
+            "policy_probabilities needs Discrete observation and action spaces (a tabular env such as FrozenLake), "
+            f"got {model.observation_space} and {model.action_space}"
+        )
+    policy = model.policy
+    was_training = policy.training
+    policy.set_training_mode(False)
+    try:
+        obs, _ = policy.obs_to_tensor(np.arange(n_states))
+        with th.no_grad():
+            probs = policy.get_distribution(obs).distribution.probs  # type: ignore[union-attr]
+    finally:
+        policy.set_training_mode(was_training)
+    return probs.cpu().numpy().astype(np.float64)
+
+
+def tabular_true_advantages(model: "InfluencePPO", env: Any = None, gamma: float | None = None) -> TabularValues:
+    """
+    Exact ``V^π``, ``Q^π`` and ``A^π`` of the model's *current* policy by policy evaluation on ``env.unwrapped.P``
+    (solves the linear system ``(I - gamma P_π) V = R_π``; transitions flagged done contribute no future value).
+
+    :param model: The model at the parameters to evaluate (θ(k) inside a round).
+    :param env: A tabular gym env (or a ``DummyVecEnv`` around one); default: the model's env.
+    :param gamma: Discount factor; default: ``model.gamma``.
+    :return: The values, see :class:`TabularValues`.
+    """
+    unwrapped = _unwrapped_env(model, env)
+    gamma = float(model.gamma if gamma is None else gamma)
+    if not 0.0 <= gamma < 1.0:
+        raise ValueError(f"gamma must be in [0, 1) for the linear solve to be well posed, got {gamma}")
+    table = unwrapped.P
+    n_states = len(table)
+    n_actions = len(table[0])
+    if not isinstance(model.action_space, spaces.Discrete) or int(model.action_space.n) != n_actions:
+        raise ValueError(
+            f"env: its transition table has {n_actions} actions but the model's action space is {model.action_space}"
+        )
+    reward = np.zeros((n_states, n_actions))  # expected immediate reward
+    transition = np.zeros((n_states, n_actions, n_states))  # undiscounted, done-masked transition probabilities
+    for s in range(n_states):
+        for a in range(n_actions):
+            for prob, next_state, r, done in table[s][a]:
+                reward[s, a] += prob * r
+                if not done:
+                    transition[s, a, next_state] += prob
+    pi = policy_probabilities(model, n_states)
+    r_pi = (pi * reward).sum(1)
+    p_pi = np.einsum("sa,sat->st", pi, transition)
+    v = np.linalg.solve(np.eye(n_states) - gamma * p_pi, r_pi)
+    q = reward + gamma * transition @ v
+    return TabularValues(policy=pi, v=v, q=q)
+
+
+def advantage_correlation(
+    influence: np.ndarray, true_advantage: np.ndarray, estimated_advantage: np.ndarray
+) -> tuple[float, float]:
+    """
+    Spearman correlation between the influence of records and ``Ā·Â``, their true advantage times the
+    estimated one (METHOD §5.1).
+
+    :param influence: Influence scores, any shape.
+    :param true_advantage: ``Ā`` of the same records, same shape.
+    :param estimated_advantage: ``Â`` of the same records (raw GAE), same shape.
+    :return: ``(rho, p_value)``; ``nan`` when either side is constant.
+    """
+    from scipy.stats import spearmanr
+
+    influence = np.asarray(influence, dtype=np.float64).reshape(-1)
+    product = (np.asarray(true_advantage, dtype=np.float64) * np.asarray(estimated_advantage, dtype=np.float64)).reshape(-1)
+    if influence.shape != product.shape:
+        raise ValueError(
+            f"influence has {influence.size} records but true_advantage x estimated_advantage has {product.size}; "
+            "pass arrays of the same records"
+        )
+    if influence.size < 2 or np.ptp(influence) == 0 or np.ptp(product) == 0:
+        return float("nan"), float("nan")
+    result = spearmanr(influence, product)
+    return float(result.statistic), float(result.pvalue)
+
+
+def diagnose_tabular(
+    model: "InfluencePPO", env: Any = None, target: Any = "return", estimated: str = "advantage"
+) -> dict[str, Any]:
+    """
+    Diagnose the model's current round on a tabular env: influence of every record, its exact advantage
+    under the current policy, and the Spearman correlation of influence with ``Ā·Â``.
+
+    Call it when the rollout buffer holds round k and the parameters are still θ(k), i.e. from a callback's
+    ``_on_rollout_end`` (see :class:`DiagnosisCallback`).
+
+    :param model: The model.
+    :param env: The tabular env (default: the model's env).
+    :param target: Target of the influence (default ``"return"``).
+    :param estimated: ``"advantage"`` (raw GAE, default) or ``"training_advantage"`` (as normalised for the update).
+    :return: Dict with ``round``, ``num_timesteps``, ``spearman``, ``p_value`` and per-record arrays
+        (shape ``(n_steps, n_envs)``) ``influence``, ``true_advantage``, ``estimated_advantage``, ``state``, ``action``.
+    """
+    if estimated not in ("advantage", "training_advantage"):
+        raise ValueError(f"estimated must be 'advantage' or 'training_advantage', got {estimated!r}")
+    values = tabular_true_advantages(model, env)
+    buffer = model.rollout_buffer
+    influence = model.compute_influence(target, cache=True)
+    states = buffer.to_records(np.asarray(buffer.flat_field("observations")).reshape(-1).astype(np.int64))
+    actions = buffer.to_records(np.asarray(buffer.flat_field("actions")).reshape(-1).astype(np.int64))
+    if estimated == "advantage":
+        estimate = buffer.to_records(buffer.flat_field("advantages").astype(np.float64))
+    else:
+        estimate = model.training_advantages()
+    true_advantage = values.advantage[states, actions]
+    rho, p_value = advantage_correlation(influence, true_advantage, estimate)
+    return {
+        "round": current_round(model),
+        "num_timesteps": int(model.num_timesteps),
+        "spearman": rho,
+        "p_value": p_value,
+        "influence": influence,
+        "true_advantage": true_advantage,
+        "estimated_advantage": estimate,
+        "state": states,
+        "action": actions,
+    }
+
+
+class DiagnosisCallback(BaseCallback):
+    """
+    Run :func:`diagnose_tabular` at chosen rounds of an ``InfluencePPO`` training on a tabular env.
+
+    :param rounds: Rounds to diagnose, numbered as the snapshots' ``round`` (the first rollout is round 0);
+        ``None``: every round.
+    :param env: The tabular env (default: the model's env).
+    :param target: Target of the influence (default ``"return"``).
+    :param estimated: ``"advantage"`` or ``"training_advantage"``, see :func:`diagnose_tabular`.
+    :param verbose: 1 prints the correlation of each diagnosed round.
+    :ivar results: One dict per diagnosed round, as :func:`diagnose_tabular` returns.
+    """
+
+    def __init__(
+        self,
+        rounds: list[int] | tuple[int, ...] | None = None,
+        env: Any = None,
+        target: Any = "return",
+        estimated: str = "advantage",
+        verbose: int = 0,
+    ):
+        super().__init__(verbose)
+        if rounds is not None and (
+            not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 0 for r in rounds)
+        ):
+            raise ValueError(f"rounds must be a list of non-negative ints (0 = the first rollout) or None, got {rounds!r}")
+        if estimated not in ("advantage", "training_advantage"):
+            raise ValueError(f"estimated must be 'advantage' or 'training_advantage', got {estimated!r}")
+        self.rounds = None if rounds is None else {int(r) for r in rounds}
+        self.diagnosis_env = env
+        self.target = target
+        self.estimated = estimated
+        self.results: list[dict[str, Any]] = []
+
+    def _init_callback(self) -> None:
+        if not hasattr(self.model, "compute_influence"):
+            raise TypeError(f"DiagnosisCallback needs an InfluencePPO model, got {type(self.model).__name__}")
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        round_index = current_round(self.model)
+        if self.rounds is not None and round_index not in self.rounds:
+            return
+        result = diagnose_tabular(self.model, self.diagnosis_env, self.target, self.estimated)  # type: ignore[arg-type]
+        self.results.append(result)
+        if self.verbose >= 1:
+            print(f"round {round_index}: Spearman(influence, true x estimated advantage) = {result['spearman']:.3f}")

@@ -1,0 +1,288 @@
+"""
+``sb3-influence report RUN_DIR``: a self-contained HTML page (and its PNGs) from a run's attribution snapshots.
+
+The page shows, over rounds: the distribution of influence scores, the fraction of records kept by filtering,
+the Spearman correlation of influence with the advantage estimates and the learning curve; and, for the last
+round, the most helpful and most harmful records. Figures are embedded as base64 PNGs, so the HTML file can be
+mailed or archived alone; the same PNGs are also written next to it.
+
+The learning curve comes from SB3 ``Monitor`` files (``*monitor.csv``) under ``RUN_DIR`` when present, else from an
+``EvalCallback``'s ``evaluations.npz``, else from the episodes completed inside the snapshots' rollouts.
+"""
+
+import argparse
+import base64
+import html
+import io
+import itertools
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sb3_influence.analysis._io import influence_key, load_all, scalar, snapshot_files, snapshot_metadata, target_names
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+_MAX_BOXES = 30
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+img { max-width: 100%; border: 1px solid #eee; }
+table { border-collapse: collapse; font-size: 0.85em; } td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
+th { background: #f3f3f3; } pre { background: #f8f8f8; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
+.note { color: #666; font-size: 0.9em; }
+"""
+
+
+def _figure() -> "Figure":
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(8, 3.2), layout="constrained")
+
+
+def _png(figure: "Figure") -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    return buffer.getvalue()
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    from scipy.stats import spearmanr
+
+    if x.size < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(spearmanr(x, y).statistic)
+
+
+def rollout_episode_returns(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """
+    Returns of the episodes that start and end inside one snapshot's rollout.
+
+    :param arrays: The snapshot's arrays (``reward``, ``episode_start``).
+    :return: One return per complete episode (possibly empty).
+    """
+    rewards = np.asarray(arrays["reward"], dtype=np.float64)
+    starts = np.asarray(arrays["episode_start"], dtype=bool)
+    returns = []
+    for env in range(rewards.shape[1]):
+        boundaries = np.flatnonzero(starts[:, env])
+        for begin, end in itertools.pairwise(boundaries):
+            returns.append(rewards[begin:end, env].sum())
+    return np.asarray(returns)
+
+
+def round_summary(snapshots: list[dict[str, np.ndarray]], target: str | None = None) -> "pd.DataFrame":
+    """
+    One row per snapshot: round, timesteps, records, kept fraction, influence statistics and correlations.
+
+    :param snapshots: Array dicts in round order.
+    :param target: Target name (default ``"return"``, else the only one).
+    :return: DataFrame with ``round``, ``num_timesteps``, ``n_records``, ``kept_fraction``, ``negative_fraction``,
+        ``influence_mean``, ``influence_std``, ``spearman_advantage``, ``spearman_training_advantage``,
+        ``rollout_return``.
+    """
+    import pandas as pd
+
+    rows = []
+    for arrays in snapshots:
+        scores = np.asarray(arrays[influence_key(arrays, target)], dtype=np.float64).reshape(-1)
+        episode_returns = rollout_episode_returns(arrays) if {"reward", "episode_start"} <= set(arrays) else np.array([])
+        row = {
+            "round": scalar(arrays, "round"),
+            "num_timesteps": scalar(arrays, "num_timesteps"),
+            "n_records": scores.size,
+            "kept_fraction": float(np.mean(arrays["keep"])) if "keep" in arrays else float("nan"),
+            "negative_fraction": float((scores < 0).mean()),
+            "influence_mean": float(scores.mean()),
+            "influence_std": float(scores.std()),
+            "rollout_return": float(episode_returns.mean()) if episode_returns.size else float("nan"),
+        }
+        for name in ("advantage", "training_advantage"):
+            values = np.asarray(arrays[name], dtype=np.float64).reshape(-1) if name in arrays else None
+            row[f"spearman_{name}"] = _spearman(scores, values) if values is not None else float("nan")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _learning_curve(run_dir: Path, summary: "pd.DataFrame") -> tuple[np.ndarray, np.ndarray, str]:
+    """(timesteps, returns, source) for the learning curve."""
+    import pandas as pd
+
+    monitors = sorted(run_dir.rglob("*monitor.csv"))
+    if monitors:
+        frames = []
+        for path in monitors:
+            frame = pd.read_csv(path, skiprows=1)
+            if {"r", "l", "t"} <= set(frame.columns) and len(frame):
+                frames.append(frame)
+        if frames:
+            episodes = pd.concat(frames).sort_values("t")
+            timesteps = episodes["l"].cumsum().to_numpy()
+            returns = episodes["r"].rolling(max(1, len(episodes) // 50), min_periods=1).mean().to_numpy()
+            return timesteps, returns, f"Monitor files ({len(monitors)}), rolling mean of episode returns"
+    evaluations = sorted(run_dir.rglob("evaluations.npz"))
+    if evaluations:
+        with np.load(evaluations[0]) as data:
+            if "timesteps" in data and "results" in data:
+                return data["timesteps"], data["results"].mean(axis=1), "EvalCallback evaluations.npz, mean return"
+    return (
+        summary["num_timesteps"].to_numpy(),
+        summary["rollout_return"].to_numpy(),
+        "episodes completed inside each snapshot's rollout, mean return",
+    )
+
+
+def _figures(
+    snapshots: list[dict[str, np.ndarray]], summary: "pd.DataFrame", target: str | None, run_dir: Path
+) -> dict[str, tuple[str, bytes]]:
+    figures: dict[str, tuple[str, bytes]] = {}
+    rounds = summary["round"].to_numpy()
+
+    # Influence distribution over rounds (at most _MAX_BOXES evenly spaced rounds)
+    chosen = np.unique(np.linspace(0, len(snapshots) - 1, min(len(snapshots), _MAX_BOXES)).round().astype(int))
+    figure = _figure()
+    ax = figure.subplots()
+    data = [np.asarray(snapshots[i][influence_key(snapshots[i], target)]).reshape(-1) for i in chosen]
+    ax.boxplot(data, positions=np.arange(len(chosen)), showfliers=False)
+    ax.set_xticks(np.arange(len(chosen)), [f"{rounds[i]:g}" for i in chosen], rotation=90 if len(chosen) > 12 else 0)
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xlabel("round")
+    ax.set_ylabel("influence")
+    ax.set_title("Influence of the records, per round (whiskers 1.5 IQR, no outliers)")
+    figures["influence_distribution"] = ("Influence distribution over rounds", _png(figure))
+
+    figure = _figure()
+    ax = figure.subplots()
+    ax.plot(rounds, summary["kept_fraction"], marker=".", label="kept")
+    ax.plot(rounds, summary["negative_fraction"], marker=".", label="negative influence")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("round")
+    ax.set_ylabel("fraction of records")
+    ax.legend()
+    figures["kept_fraction"] = ("Kept fraction and negative fraction", _png(figure))
+
+    figure = _figure()
+    ax = figure.subplots()
+    ax.plot(rounds, summary["spearman_advantage"], marker=".", label="Spearman(I, Â raw)")
+    ax.plot(rounds, summary["spearman_training_advantage"], marker=".", label="Spearman(I, Â as trained)")
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_ylim(-1.05, 1.05)
+    ax.set_xlabel("round")
+    ax.set_ylabel("rank correlation")
+    ax.legend()
+    figures["advantage_correlation"] = ("Correlation of influence with advantage estimates", _png(figure))
+
+    timesteps, returns, source = _learning_curve(run_dir, summary)
+    figure = _figure()
+    ax = figure.subplots()
+    ax.plot(timesteps, returns, marker="." if len(timesteps) < 60 else None)
+    ax.set_xlabel("timesteps")
+    ax.set_ylabel("return")
+    ax.set_title(f"Learning curve ({source})", fontsize=9)
+    figures["learning_curve"] = ("Learning curve", _png(figure))
+    return figures
+
+
+def _records_table(arrays: dict[str, np.ndarray], target: str | None, top_k: int) -> str:
+    from sb3_influence.analysis.diagnosis import top_bottom_records
+
+    table = top_bottom_records(arrays, target=target, k=top_k)
+    for column in ("obs", "action"):
+        if column in table and table[column].dtype == object:
+            table[column] = [np.array2string(np.asarray(v), precision=3, threshold=8) for v in table[column]]
+    return table.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0)
+
+
+def build_report(
+    run_dir: str | Path,
+    out_dir: str | Path | None = None,
+    target: str | None = None,
+    top_k: int = 10,
+    title: str | None = None,
+) -> Path:
+    """
+    Write ``report.html`` and its PNGs for the snapshots found under ``run_dir``.
+
+    :param run_dir: A folder holding snapshots (searched recursively) and optionally Monitor / EvalCallback files.
+    :param out_dir: Where to write (default ``<run_dir>/report``).
+    :param target: Target whose influence is shown (default ``"return"``, else the only one).
+    :param top_k: Records listed per group in the top/bottom table.
+    :param title: Page title (default: the run folder's name).
+    :return: Path of the HTML file.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise ValueError(
+            f"run_dir {str(run_dir)!r} does not exist; pass the folder AttributionCallback(save_dir=...) wrote to"
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    snapshots = load_all(run_dir)
+    target = influence_key(snapshots[-1], target).split("/", 1)[1]
+    out = Path(out_dir) if out_dir is not None else (run_dir / "report" if run_dir.is_dir() else run_dir.parent / "report")
+    out.mkdir(parents=True, exist_ok=True)
+
+    summary = round_summary(snapshots, target)
+    figures = _figures(snapshots, summary, target, run_dir if run_dir.is_dir() else run_dir.parent)
+    for name, (_, png) in figures.items():
+        (out / f"{name}.png").write_bytes(png)
+
+    metadata = snapshot_metadata(snapshots[-1])
+    title = title or f"sb3_influence report: {run_dir.resolve().name}"
+    files = snapshot_files(run_dir)
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f'<p class="note">{len(snapshots)} snapshot(s) from <code>{html.escape(str(run_dir))}</code>, target '
+        f"<b>{html.escape(target)}</b>, targets available: {html.escape(', '.join(target_names(snapshots[-1])))}. "
+        f"Positive influence helps the target, negative hurts it.</p>",
+    ]
+    for name, (caption, png) in figures.items():
+        encoded = base64.b64encode(png).decode("ascii")
+        parts.append(f'<h2 id="{name}">{html.escape(caption)}</h2>')
+        parts.append(f'<img alt="{html.escape(caption)}" src="data:image/png;base64,{encoded}">')
+    last = snapshots[-1]
+    parts.append(f'<h2 id="records">Top and bottom records of the last round (round {scalar(last, "round"):g})</h2>')
+    parts.append(_records_table(last, target, int(top_k)))
+    parts.append('<h2 id="summary">Per-round summary</h2>')
+    parts.append(summary.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0))
+    parts.append('<h2 id="metadata">Run metadata (last snapshot)</h2>')
+    parts.append(f"<pre>{html.escape(json.dumps(metadata, indent=2, sort_keys=True, default=str))}</pre>")
+    names = ", ".join(p.name for p in files[:5]) + (" ..." if len(files) > 5 else "")
+    parts.append(f'<p class="note">Snapshot files: {html.escape(names)}</p>')
+    parts.append("</body></html>")
+    path = out / "report.html"
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """
+    Entry point of ``sb3-influence report``.
+
+    :param argv: Command-line arguments (default: ``sys.argv[2:]`` through ``sb3_influence.cli``).
+    :return: Exit status.
+    """
+    parser = argparse.ArgumentParser(
+        prog="sb3-influence report",
+        description="Build a self-contained HTML report (and PNGs) from the attribution snapshots of a run.",
+    )
+    parser.add_argument("run_dir", help="folder with the snapshots written by AttributionCallback (searched recursively)")
+    parser.add_argument("-o", "--out", default=None, help="output folder (default: RUN_DIR/report)")
+    parser.add_argument("--target", default=None, help="target name to show (default: 'return', else the only one)")
+    parser.add_argument("--top", type=int, default=10, help="records per group in the top/bottom table (default: 10)")
+    parser.add_argument("--title", default=None, help="page title")
+    args = parser.parse_args(argv)
+    try:
+        path = build_report(args.run_dir, out_dir=args.out, target=args.target, top_k=args.top, title=args.title)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"report written to {path}")
+    return 0
