@@ -131,7 +131,9 @@ def policy_probabilities(model: "InfluencePPO", n_states: int) -> np.ndarray:
             probs = policy.get_distribution(obs).distribution.probs  # type: ignore[union-attr]
     finally:
         policy.set_training_mode(was_training)
-    return probs.cpu().numpy().astype(np.float64)
+    probs = probs.cpu().numpy().astype(np.float64)
+    # Renormalise in float64 so that V = Σ_a π Q holds to machine precision
+    return probs / probs.sum(axis=1, keepdims=True)
 
 
 def tabular_true_advantages(model: "InfluencePPO", env: Any = None, gamma: float | None = None) -> TabularValues:
