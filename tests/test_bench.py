@@ -159,3 +159,14 @@ def test_run_one_end_to_end_and_skip_finished(tmp_path):
     assert bench.run_one("CartPole", "ppo", 0, out, rounds=2, eval_episodes=2) == result
     assert os.path.getmtime(path) == mtime
     assert bench.main(["summary", "--out", out, "--envs", "CartPole"]) == 0
+
+
+def test_filtering_arms_drop_records_from_identical_initial_weights(tmp_path):
+    out = str(tmp_path)
+    results = {arm: bench.run_one("CartPole", arm, 5, out, rounds=1, eval_episodes=1) for arm in bench.ARMS}
+    assert len({result["init_hash"] for result in results.values()}) == 1
+    kept = {arm: result["rows"][1]["kept_fraction"] for arm, result in results.items()}
+    assert kept["ppo"] == 1.0
+    # Same seed, same first rollout: both filters drop floor(0.5 * n_neg) of the same records' count
+    assert 0.5 < kept["iif"] < 1.0
+    assert kept["random"] == kept["iif"]

@@ -1,0 +1,222 @@
+"""
+Cost of influence scoring next to PPO's own update, measured side by side on the same rounds.
+
+Per round: collect one rollout; time PPO's ``train()`` on every record; restore the parameters and optimizer
+state; time ``compute_influence()`` (``"return"`` target, the paper's ``neg-bottom`` rule's input); drop records
+with ``neg-bottom`` and time ``train()`` on the kept ones (that IIF update is the one kept, so the next round
+starts from it). Reported: medians over rounds of ``t_influence / t_train``, of the PPO round
+(``rollout + train``) and of the IIF round (``rollout + influence + filtered train``), and the peak resident
+memory added by ``compute_influence`` (RSS sampled every 0.5 ms by a thread), with its scaling in ``n``.
+
+    python benchmarks/overhead.py --repeats 5 --out benchmarks/results/overhead.json
+
+One torch thread (``--threads``), CPU only.
+"""
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch as th
+
+from sb3_influence import bench
+from sb3_influence.common.filters import drop_neg_bottom
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+CASES: dict[str, dict[str, Any]] = {
+    "LunarLander MLP 64x64, n=2048": dict(env="LunarLander", n_envs=1, n_steps=2048, net_arch=None),
+    "MiniGrid CNN, n=2048": dict(env="MiniGrid", n_envs=1, n_steps=2048, net_arch=None),
+    "LunarLander MLP 256x256, 8 envs x 2048 = 16384": dict(env="LunarLander", n_envs=8, n_steps=2048, net_arch=[256, 256]),
+}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * _PAGE
+
+
+class PeakRSS:
+    """Context manager: peak resident memory above the level at entry, sampled by a background thread."""
+
+    def __init__(self, interval: float = 5e-4):
+        self.interval = interval
+        self.peak = 0
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "PeakRSS":
+        self.baseline = _rss()
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.baseline
+
+
+def _model(env: str, n_envs: int, n_steps: int, net_arch: list[int] | None, seed: int = 0) -> Any:
+    spec = bench.ENVS[env]
+    policy_kwargs = {} if net_arch is None else {"net_arch": dict(pi=net_arch, vf=net_arch)}
+    model = bench.make_model(spec, seed, n_envs=n_envs, n_steps=n_steps, policy_kwargs=policy_kwargs)
+    model._setup_learn(total_timesteps=10**9, callback=None)
+    return model
+
+
+def _collect(model: Any) -> float:
+    from stable_baselines3.common.callbacks import CallbackList
+
+    callback = CallbackList([])
+    callback.init_callback(model)
+    tic = time.perf_counter()
+    model.collect_rollouts(model.env, callback, model.rollout_buffer, n_rollout_steps=model.n_steps)
+    return time.perf_counter() - tic
+
+
+def _timed_train(model: Any) -> float:
+    tic = time.perf_counter()
+    model.train()
+    return time.perf_counter() - tic
+
+
+def measure_case(
+    env: str, n_envs: int, n_steps: int, net_arch: list[int] | None, repeats: int, fraction: float
+) -> dict[str, Any]:
+    """
+    Side-by-side timings of one configuration over ``repeats`` rounds.
+
+    :return: Medians and the raw per-round numbers.
+    """
+    model = _model(env, n_envs, n_steps, net_arch)
+    # Warm-up round, not timed (first calls pay for lazy set-up and allocator growth)
+    _collect(model)
+    model.compute_influence("return")
+    model.train()
+    rows = []
+    for _ in range(repeats):
+        t_rollout = _collect(model)
+        saved = (copy.deepcopy(model.policy.state_dict()), copy.deepcopy(model.policy.optimizer.state_dict()))
+        rng = (np.random.get_state(), th.get_rng_state())
+        t_train = _timed_train(model)
+        model.policy.load_state_dict(saved[0])
+        model.policy.optimizer.load_state_dict(saved[1])
+        np.random.set_state(rng[0])
+        th.set_rng_state(rng[1])
+        with PeakRSS() as memory:
+            tic = time.perf_counter()
+            scores = model.compute_influence("return")
+            t_influence = time.perf_counter() - tic
+        buffer = model.rollout_buffer
+        drop = drop_neg_bottom(buffer.to_flat(scores), fraction, np.random.default_rng(0))
+        buffer.keep[:] = ~buffer.to_records(drop)
+        # This IIF update is kept: the next round starts from it
+        t_train_iif = _timed_train(model)
+        rows.append(dict(rollout=t_rollout, train=t_train, influence=t_influence, train_iif=t_train_iif,
+                         kept=float(buffer.flat_keep.mean()), memory_mib=memory.added / 2**20))  # fmt: skip
+    ratio = [r["influence"] / r["train"] for r in rows]
+    ppo_round = [r["rollout"] + r["train"] for r in rows]
+    iif_round = [r["rollout"] + r["influence"] + r["train_iif"] for r in rows]
+    return {
+        "n": n_envs * n_steps,
+        "influence_s": statistics.median(r["influence"] for r in rows),
+        "train_s": statistics.median(r["train"] for r in rows),
+        "influence_over_train": statistics.median(ratio),
+        "ppo_round_s": statistics.median(ppo_round),
+        "iif_round_s": statistics.median(iif_round),
+        "iif_over_ppo_round": statistics.median(i / p for i, p in zip(iif_round, ppo_round, strict=True)),
+        "kept_fraction": statistics.median(r["kept"] for r in rows),
+        "influence_peak_mib": max(r["memory_mib"] for r in rows),
+        "rounds": rows,
+    }
+
+
+def measure_scaling(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Time and peak memory of one ``compute_influence`` call (a single chunk) against ``n`` (LunarLander MLP)."""
+    results = []
+    for n in sizes:
+        model = _model("LunarLander", 1, n, None)
+        _collect(model)
+        model.compute_influence("return", batch_size=n)
+        times, peaks = [], []
+        for _ in range(repeats):
+            with PeakRSS() as memory:
+                tic = time.perf_counter()
+                model.compute_influence("return", batch_size=n)
+                times.append(time.perf_counter() - tic)
+            peaks.append(memory.added / 2**20)
+        results.append({"n": n, "influence_s": statistics.median(times), "peak_mib": statistics.median(peaks)})
+    return results
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The tables of ``docs/benchmarks.md``."""
+    lines = [
+        "| case | n | influence (s) | PPO train() (s) | influence / train | PPO round (s) | IIF round (s) | IIF / PPO round "
+        "| kept | peak extra RSS (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, case in result["cases"].items():
+        lines.append(
+            f"| {name} | {case['n']} | {case['influence_s']:.3f} | {case['train_s']:.2f} | "
+            f"{100 * case['influence_over_train']:.1f} % | {case['ppo_round_s']:.2f} | {case['iif_round_s']:.2f} | "
+            f"{case['iif_over_ppo_round']:.3f} | {case['kept_fraction']:.3f} | {case['influence_peak_mib']:.1f} |"
+        )
+    lines += ["", "| n (one chunk) | influence (s) | peak extra RSS (MiB) | MiB per 1000 records |", "|---|---|---|---|"]
+    for row in result["scaling"]:
+        lines.append(
+            f"| {row['n']} | {row['influence_s']:.4f} | {row['peak_mib']:.1f} | {1000 * row['peak_mib'] / row['n']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="rounds per case (medians over them)")
+    parser.add_argument("--fraction", type=float, default=0.125, help="IIF fraction p of the filtered update")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None, help="write the results to this JSON file")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    th.set_num_threads(args.threads)
+    result: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/overhead.py", *sys.argv[1:]]),
+        "threads": args.threads,
+        "torch": th.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cases": {},
+    }
+    for name in args.cases:
+        result["cases"][name] = measure_case(**CASES[name], repeats=args.repeats, fraction=args.fraction)
+        print(name, {k: v for k, v in result["cases"][name].items() if k != "rounds"}, flush=True)
+    result["scaling"] = measure_scaling(args.sizes, args.repeats)
+    print(markdown(result))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as file:
+            json.dump(result, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
