@@ -135,12 +135,14 @@ def index_obs(obs, i):
     return {k: v[i : i + 1] for k, v in obs.items()} if isinstance(obs, dict) else obs[i : i + 1]
 
 
-def reference_influence(model, target_fn) -> np.ndarray:
+def reference_influence(model, target_fn, advantages=None) -> np.ndarray:
     """I_i = −⟨∇ℓ_i, ∇f⟩ from one autograd call per record (flat, indexed by record id)."""
     policy = model.policy
     params = [p for p in policy.parameters() if p.requires_grad]
     obs, actions = buffer_tensors(model)
-    adv = th.as_tensor(reference_training_advantages(model)).to(next(policy.parameters()).dtype)
+    if advantages is None:
+        advantages = reference_training_advantages(model)
+    adv = th.as_tensor(advantages).to(next(policy.parameters()).dtype)
 
     def flat_grad(value):
         grads = th.autograd.grad(value, params, allow_unused=True)

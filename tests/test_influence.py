@@ -187,8 +187,9 @@ def test_scoring_leaves_policy_and_optimizer_alone(case, method):
         # Every parameter is still the module's own Parameter (a shared extractor is reachable under 3 names)
         assert all(isinstance(p, th.nn.Parameter) and p.requires_grad for p in model.policy.parameters())
         assert model.policy.optimizer.state_dict() == optimizer_state
-        # No hook is left behind on any module
+        # No hook is left behind on any module, and the model can still be deep-copied
         assert all(not m._forward_hooks for m in model.policy.modules())
+        copy.deepcopy(model.policy)
 
 
 def test_zero_advantages_give_zero_finite_scores():
@@ -218,3 +219,56 @@ def test_return_target_equals_string_target():
     model = make_model("mlp")
     collect_rollout(model)
     np.testing.assert_array_equal(model.compute_influence("return"), model.compute_influence(ReturnTarget()))
+
+
+def test_multi_checkpoint_with_one_step_equals_single_checkpoint():
+    # The replay runs PPO.train, which feeds float32 observations: float32 here, float32 tolerances
+    model = make_model("gaussian", n_epochs=1, batch_size=48)
+    collect_rollout(model)
+    single = model.compute_influence(checkpoints="single")
+    np.testing.assert_allclose(
+        model.compute_influence(checkpoints="multi"), single, rtol=1e-4, atol=1e-6 * np.abs(single).max()
+    )
+
+
+def test_multi_checkpoint_sums_over_the_round_steps():
+    """Reference: snapshot θ_j and the minibatch at every step of a real update, brute-force each step's scores."""
+    model = make_model("mlp", n_epochs=2, batch_size=16)
+    collect_rollout(model)
+    scores = model.rollout_buffer.to_flat(model.compute_influence(checkpoints="multi"))
+
+    snapshots = []
+    original_step = model.policy.optimizer.step
+
+    def record_step(*args, **kwargs):
+        snapshots.append((copy.deepcopy(model.policy.state_dict()), model.rollout_buffer.current_minibatch.copy()))
+        return original_step(*args, **kwargs)
+
+    reference_model = copy.deepcopy(model)
+    model.policy.optimizer.step = record_step
+    model.train()
+    assert len(snapshots) == 6  # 48 records / 16, two epochs
+
+    expected = np.zeros_like(scores)
+    for state, ids in snapshots:
+        reference_model.policy.load_state_dict(state)
+        raw = reference_model.rollout_buffer.flat_field("advantages").astype(np.float64)
+        adv = (raw[ids] - raw[ids].mean()) / (raw[ids].std(ddof=1) + 1e-8)
+        step_advantages = np.zeros_like(raw)
+        step_advantages[ids] = adv
+        full = reference_influence(reference_model, reference_return_target(reference_model), step_advantages)
+        expected[ids] += full[ids]
+    assert relative_error(scores, expected) < 1e-4
+
+
+def test_multi_checkpoint_leaves_the_update_unchanged():
+    plain = make_model("mlp")
+    collect_rollout(plain)
+    plain.train()
+    scored = make_model("mlp")
+    collect_rollout(scored)
+    scored.compute_influence(checkpoints="multi")
+    scored.train()
+    assert all(th.equal(p, q) for p, q in zip(plain.policy.parameters(), scored.policy.parameters(), strict=True))
+    with pytest.raises(ValueError, match="checkpoints"):
+        scored.compute_influence(checkpoints="all")

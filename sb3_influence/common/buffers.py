@@ -37,6 +37,7 @@ class InfluenceRolloutBufferMixin:
     def _reset_records(self) -> None:
         self.keep = np.ones((self.buffer_size, self.n_envs), dtype=bool)
         self._first_permutation = None
+        self.current_minibatch: np.ndarray | None = None
         # Counts rollouts, so that cached influence scores never outlive the records they score
         self.rollout_index = getattr(self, "rollout_index", -1) + 1
 
@@ -112,7 +113,9 @@ class InfluenceRolloutBufferMixin:
         if batch_size is None:
             batch_size = self.n_records
         for start_idx in range(0, len(indices), batch_size):
-            yield indices[start_idx : start_idx + batch_size]
+            # The record ids of the minibatch being trained on (multi-checkpoint influence reads it)
+            self.current_minibatch = indices[start_idx : start_idx + batch_size]
+            yield self.current_minibatch
 
     def flat_field(self, name: str) -> Any:
         """

@@ -155,33 +155,33 @@ class InfluenceEngine:
             actions = actions.to(self.dtype)
         return distribution.log_prob(actions)
 
-    def buffer_batches(self, batch_size: int, advantages: np.ndarray | None = None) -> Generator[Batch, None, None]:
+    def buffer_batches(self, batch_size: int, ids: np.ndarray | None = None) -> Generator[Batch, None, None]:
         """
-        The current rollout buffer in record-id order, in chunks.
+        The current rollout buffer in record-id order (or the records ``ids``, in that order), in chunks.
 
         :param batch_size: Records per chunk.
-        :param advantages: Per-record advantages to yield instead of the raw GAE advantages.
-        :return: Tuples ``(record_ids, observations, actions, advantages)``, tensors on the model's device.
+        :param ids: Flat record ids to restrict to; every record when None.
+        :return: Tuples ``(record_ids, observations, actions, raw_advantages)``, tensors on the model's device.
         """
         buffer = self.buffer
         if not buffer.full:
             raise RuntimeError("No rollout to score: the rollout buffer is empty. Collect a rollout first (learn()).")
         observations = buffer.flat_field("observations")
         actions = buffer.flat_field("actions")
-        if advantages is None:
-            advantages = buffer.flat_field("advantages")
-        for start in range(0, buffer.n_records, batch_size):
-            ids = np.arange(start, min(start + batch_size, buffer.n_records))
+        advantages = buffer.flat_field("advantages")
+        all_ids = np.arange(buffer.n_records) if ids is None else np.asarray(ids)
+        for start in range(0, len(all_ids), batch_size):
+            chunk_ids = all_ids[start : start + batch_size]
             obs: Any
             if isinstance(observations, dict):
-                obs = {key: self._to_tensor(value[ids]) for key, value in observations.items()}
+                obs = {key: self._to_tensor(value[chunk_ids]) for key, value in observations.items()}
             else:
-                obs = self._to_tensor(observations[ids])
+                obs = self._to_tensor(observations[chunk_ids])
             yield (
-                ids,
+                chunk_ids,
                 obs,
-                self._to_tensor(actions[ids].astype(np.float32, copy=False)),
-                self._to_tensor(advantages[ids]).to(self.dtype),
+                self._to_tensor(actions[chunk_ids].astype(np.float32, copy=False)),
+                self._to_tensor(advantages[chunk_ids]).to(self.dtype),
             )
 
     # ------------------------------------------------------------------ scoring
@@ -218,13 +218,14 @@ class InfluenceEngine:
             for handle in handles:
                 handle.remove()
 
-    def alignment(self, v: dict[str, th.Tensor], batch_size: int) -> np.ndarray:
+    def alignment(self, v: dict[str, th.Tensor], batch_size: int, ids: np.ndarray | None = None) -> np.ndarray:
         """
-        ``D_i = ⟨∇θ log π(a_i|s_i), v⟩`` for every record of the buffer.
+        ``D_i = ⟨∇θ log π(a_i|s_i), v⟩`` for every record of the buffer (or only the records ``ids``).
 
         :param v: A direction in parameter space (usually a target gradient), by parameter name.
         :param batch_size: Records per chunk.
-        :return: Flat float64 array indexed by record id.
+        :param ids: Flat record ids to score; every record when None.
+        :return: Flat float64 array indexed by record id (zero outside ``ids``).
         """
         named = dict(self.policy.named_parameters())
         name_of = {id(param): name for name, param in named.items()}
@@ -245,8 +246,8 @@ class InfluenceEngine:
         rest = {name: v[name] for name in v if id(named[name]) not in covered}
 
         scores = np.zeros(self.buffer.n_records, dtype=np.float64)
-        for ids, obs, actions, _ in self.buffer_batches(batch_size):
-            chunk = th.zeros(len(ids), dtype=self.dtype, device=self.device)
+        for chunk_ids, obs, actions, _ in self.buffer_batches(batch_size, ids):
+            chunk = th.zeros(len(chunk_ids), dtype=self.dtype, device=self.device)
             if ghost_modules:
                 with self._capture(ghost_modules) as calls:
                     log_prob = self._actor(obs, actions)
@@ -258,7 +259,7 @@ class InfluenceEngine:
                 del calls, outputs, grads, log_prob
             if rest:
                 chunk = chunk + self._jvp(rest, obs, actions)
-            scores[ids] = chunk.detach().cpu().double().numpy()
+            scores[chunk_ids] = chunk.detach().cpu().double().numpy()
         return scores
 
     def _jvp(self, v: dict[str, th.Tensor], obs: Any, actions: th.Tensor) -> th.Tensor:
@@ -294,10 +295,16 @@ class InfluenceEngine:
 
     @contextmanager
     def eval_mode(self) -> Iterator[None]:
-        """Score in eval mode (records must not interact, e.g. through batch norm) and restore the mode after."""
+        """
+        Score in eval mode (records must not interact, e.g. through batch norm); afterwards restore the mode and
+        the action distribution's state (SB3 distributions keep their last parameters, which would otherwise hold
+        the scoring graph and make the model impossible to deepcopy).
+        """
         was_training = self.policy.training
+        distribution_state = dict(vars(self.policy.action_dist))
         self.policy.set_training_mode(False)
         try:
             yield
         finally:
             self.policy.set_training_mode(was_training)
+            vars(self.policy.action_dist).update(distribution_state)

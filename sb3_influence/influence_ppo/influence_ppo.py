@@ -1,3 +1,4 @@
+import copy
 import warnings
 from typing import Any, ClassVar, TypeVar
 
@@ -186,6 +187,7 @@ class InfluencePPO(PPO):
         target: str | Target = "return",
         batch_size: int | None = None,
         cache: bool = False,
+        checkpoints: str = "single",
     ) -> np.ndarray:
         """
         Influence of every record of the current rollout buffer on ``target``, at the current parameters:
@@ -198,6 +200,12 @@ class InfluencePPO(PPO):
         :param cache: Reuse the scores already computed for this target in this round (callbacks use this to
             share one computation). Only targets that compare equal (such as ``"return"``) or the same target
             object hit the cache.
+        :param checkpoints: ``"single"``: at θ(k), the parameters before this round's update (METHOD §2, what IIF
+            uses). ``"multi"``: the paper's formal definition (§3.1, TracIn-style): the sum over every optimiser
+            step j of the coming update whose minibatch holds record i of ``−⟨∇ℓ_i(θ_j), ∇f(θ_j)⟩``, with Â_i
+            normalised in that minibatch. It replays the update (same minibatches, same RNG) and then restores the
+            parameters, the optimizer and the RNG, so the real update that follows is unchanged. About as costly as
+            ``train()`` plus one target gradient per optimiser step.
         :return: Float64 array of shape ``(n_steps, n_envs)``; ``[step, env]`` is the record at that position.
         """
         if self.rollout_buffer is None or not self.rollout_buffer.full:
@@ -210,14 +218,63 @@ class InfluencePPO(PPO):
             batch_size = self.influence_batch_size
         elif isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (records per scoring chunk), got {batch_size!r}")
-        key = (self.rollout_buffer.rollout_index, self._n_updates, _cache_key(target))
+        if checkpoints not in ("single", "multi"):
+            raise ValueError(f"checkpoints must be 'single' or 'multi', got {checkpoints!r}")
+        key = (self.rollout_buffer.rollout_index, self._n_updates, checkpoints, _cache_key(target))
         if cache and key in self._influence_cache:
             return self._influence_cache[key].copy()
-        scores = self._influence_engine.influence(target, self._flat_training_advantages(), int(batch_size))
+        if checkpoints == "multi":
+            scores = self._multi_checkpoint_influence(target, int(batch_size))
+        else:
+            scores = self._influence_engine.influence(target, self._flat_training_advantages(), int(batch_size))
         scores = self.rollout_buffer.to_records(scores)
         if cache:
             self._influence_cache = {k: v for k, v in self._influence_cache.items() if k[:2] == key[:2]}
             self._influence_cache[key] = scores.copy()
+        return scores
+
+    def _multi_checkpoint_influence(self, target: Target, batch_size: int) -> np.ndarray:
+        engine, buffer = self._influence_engine, self.rollout_buffer
+        raw = buffer.flat_field("advantages").astype(np.float64)
+        scores = np.zeros(buffer.n_records)
+        optimizer = self.policy.optimizer
+
+        def score_then_step(*args: Any, **kwargs: Any) -> Any:
+            # Called by train() after backward(), before the parameters move: we are at θ_j
+            ids = buffer.current_minibatch
+            assert ids is not None
+            advantages = raw[ids]
+            if self.normalize_advantage and len(ids) > 1:
+                advantages = (advantages - advantages.mean()) / (advantages.std(ddof=1) + 1e-8)
+            with engine.eval_mode():
+                v = engine.target_gradient(target, batch_size)
+                if v:
+                    scores[ids] += advantages * engine.alignment(v, batch_size, ids)[ids]
+            return original_step(*args, **kwargs)
+
+        # Everything the replay changes, restored afterwards
+        policy_state = copy.deepcopy(self.policy.state_dict())
+        optimizer_state = copy.deepcopy(optimizer.state_dict())
+        buffer.first_epoch_permutation()  # the replay and the real update share the first epoch
+        saved = (np.random.get_state(), th.get_rng_state(), buffer._first_permutation, self._n_updates, self.policy.training)
+        distribution_state = dict(vars(self.policy.action_dist))
+        original_step = optimizer.step
+        patched_before = optimizer.__dict__.get("step")
+        optimizer.step = score_then_step  # type: ignore[method-assign]
+        try:
+            super().train()
+        finally:
+            if patched_before is None:
+                del optimizer.step
+            else:
+                optimizer.step = patched_before  # type: ignore[method-assign]
+            self.policy.load_state_dict(policy_state)
+            optimizer.load_state_dict(optimizer_state)
+            np.random.set_state(saved[0])
+            th.set_rng_state(saved[1])
+            buffer._first_permutation, self._n_updates = saved[2], saved[3]
+            self.policy.set_training_mode(saved[4])
+            vars(self.policy.action_dist).update(distribution_state)
         return scores
 
     # ------------------------------------------------------------------ training
