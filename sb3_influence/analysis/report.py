@@ -35,7 +35,7 @@ h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 1.6em; border-botto
 img { max-width: 100%; border: 1px solid #eee; }
 table { border-collapse: collapse; font-size: 0.85em; } td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
 th { background: #f3f3f3; } pre { background: #f8f8f8; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
-.note { color: #666; font-size: 0.9em; }
+.note { color: #666; font-size: 0.9em; } .wide { overflow-x: auto; } td { white-space: nowrap; }
 """
 
 
@@ -139,8 +139,8 @@ def _learning_curve(run_dir: Path, summary: "pd.DataFrame") -> tuple[np.ndarray,
 
 def _figures(
     snapshots: list[dict[str, np.ndarray]], summary: "pd.DataFrame", target: str | None, run_dir: Path
-) -> dict[str, tuple[str, bytes]]:
-    figures: dict[str, tuple[str, bytes]] = {}
+) -> dict[str, tuple[str, bytes, str]]:
+    figures: dict[str, tuple[str, bytes, str]] = {}
     rounds = summary["round"].to_numpy()
 
     # Influence distribution over rounds (at most _MAX_BOXES evenly spaced rounds)
@@ -154,7 +154,8 @@ def _figures(
     ax.set_xlabel("round")
     ax.set_ylabel("influence")
     ax.set_title("Influence of the records, per round (whiskers 1.5 IQR, no outliers)")
-    figures["influence_distribution"] = ("Influence distribution over rounds", _png(figure))
+    note = f"{len(chosen)} of {len(snapshots)} rounds shown."
+    figures["influence_distribution"] = ("Influence distribution over rounds", _png(figure), note)
 
     figure = _figure()
     ax = figure.subplots()
@@ -164,7 +165,8 @@ def _figures(
     ax.set_xlabel("round")
     ax.set_ylabel("fraction of records")
     ax.legend()
-    figures["kept_fraction"] = ("Kept fraction and negative fraction", _png(figure))
+    note = "Kept: the keep mask after filtering (1 without IIF)."
+    figures["kept_fraction"] = ("Kept fraction and negative fraction", _png(figure), note)
 
     figure = _figure()
     ax = figure.subplots()
@@ -175,7 +177,11 @@ def _figures(
     ax.set_xlabel("round")
     ax.set_ylabel("rank correlation")
     ax.legend()
-    figures["advantage_correlation"] = ("Correlation of influence with advantage estimates", _png(figure))
+    figures["advantage_correlation"] = (
+        "Correlation of influence with advantage estimates",
+        _png(figure),
+        "Spearman rank correlation per round, with the raw GAE advantage and with the advantage as normalised for the update.",
+    )
 
     timesteps, returns, source = _learning_curve(run_dir, summary)
     figure = _figure()
@@ -183,8 +189,7 @@ def _figures(
     ax.plot(timesteps, returns, marker="." if len(timesteps) < 60 else None)
     ax.set_xlabel("timesteps")
     ax.set_ylabel("return")
-    ax.set_title(f"Learning curve ({source})", fontsize=9)
-    figures["learning_curve"] = ("Learning curve", _png(figure))
+    figures["learning_curve"] = ("Learning curve", _png(figure), f"Source: {source}.")
     return figures
 
 
@@ -194,8 +199,10 @@ def _records_table(arrays: dict[str, np.ndarray], target: str | None, top_k: int
     table = top_bottom_records(arrays, target=target, k=top_k)
     for column in ("obs", "action"):
         if column in table and table[column].dtype == object:
-            table[column] = [np.array2string(np.asarray(v), precision=3, threshold=8) for v in table[column]]
-    return table.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0)
+            table[column] = [
+                np.array2string(np.asarray(v), precision=3, threshold=8, max_line_width=10**6) for v in table[column]
+            ]
+    return '<div class="wide">' + table.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0) + "</div>"
 
 
 def build_report(
@@ -229,7 +236,7 @@ def build_report(
 
     summary = round_summary(snapshots, target)
     figures = _figures(snapshots, summary, target, run_dir if run_dir.is_dir() else run_dir.parent)
-    for name, (_, png) in figures.items():
+    for name, (_, png, _) in figures.items():
         (out / f"{name}.png").write_bytes(png)
 
     metadata = snapshot_metadata(snapshots[-1])
@@ -244,15 +251,16 @@ def build_report(
         f"<b>{html.escape(target)}</b>, targets available: {html.escape(', '.join(target_names(snapshots[-1])))}. "
         f"Positive influence helps the target, negative hurts it.</p>",
     ]
-    for name, (caption, png) in figures.items():
+    for name, (caption, png, note) in figures.items():
         encoded = base64.b64encode(png).decode("ascii")
         parts.append(f'<h2 id="{name}">{html.escape(caption)}</h2>')
         parts.append(f'<img alt="{html.escape(caption)}" src="data:image/png;base64,{encoded}">')
+        parts.append(f'<p class="note">{html.escape(note)}</p>')
     last = snapshots[-1]
     parts.append(f'<h2 id="records">Top and bottom records of the last round (round {scalar(last, "round"):g})</h2>')
     parts.append(_records_table(last, target, int(top_k)))
     parts.append('<h2 id="summary">Per-round summary</h2>')
-    parts.append(summary.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0))
+    parts.append('<div class="wide">' + summary.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0) + "</div>")
     parts.append('<h2 id="metadata">Run metadata (last snapshot)</h2>')
     parts.append(f"<pre>{html.escape(json.dumps(metadata, indent=2, sort_keys=True, default=str))}</pre>")
     names = ", ".join(p.name for p in files[:5]) + (" ..." if len(files) > 5 else "")
