@@ -1,0 +1,91 @@
+"""IIF drop rules as pure functions: exact counts, which records, reproducible random baselines."""
+
+import numpy as np
+import pytest
+
+from sb3_influence.common.filters import DROP_RULES, get_drop_rule, n_to_drop
+
+
+def _scores(n_neg: int, n_pos: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    scores = np.concatenate([-rng.uniform(0.1, 5.0, n_neg), rng.uniform(0.1, 5.0, n_pos), np.zeros(3)])
+    return rng.permutation(scores)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.0625, 0.125, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("n_neg", [0, 1, 7, 40])
+def test_neg_bottom_drops_floor_fraction_of_negatives_most_negative_first(fraction, n_neg):
+    scores = _scores(n_neg, 25)
+    drop = get_drop_rule("neg-bottom")(scores, fraction, np.random.default_rng(0))
+    assert drop.dtype == bool and drop.shape == scores.shape
+    assert drop.sum() == int(np.floor(fraction * n_neg + 1e-9))
+    if drop.any():
+        # Every dropped record is negative and more negative than every kept negative record
+        assert (scores[drop] < 0).all()
+        kept_negative = scores[~drop & (scores < 0)]
+        if kept_negative.size:
+            assert scores[drop].max() <= kept_negative.min()
+
+
+def test_neg_drops_every_negative_and_nothing_else():
+    scores = _scores(13, 20)
+    for fraction in (0.0, 0.5, 1.0):
+        drop = get_drop_rule("neg")(scores, fraction, np.random.default_rng(0))
+        np.testing.assert_array_equal(drop, scores < 0)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.25, 0.99])
+def test_bottom_drops_lowest_fraction_of_all(fraction):
+    scores = _scores(5, 30)
+    drop = get_drop_rule("bottom")(scores, fraction, np.random.default_rng(0))
+    k = int(np.floor(fraction * len(scores) + 1e-9))
+    assert drop.sum() == k
+    np.testing.assert_array_equal(np.sort(scores[drop]), np.sort(scores)[:k])
+
+
+@pytest.mark.parametrize("rule", ["random", "neg-random"])
+def test_random_rules_size_reproducibility_and_support(rule):
+    scores = _scores(30, 50)
+    n_neg = int((scores < 0).sum())
+    drop_a = get_drop_rule(rule)(scores, 0.5, np.random.default_rng(123))
+    drop_b = get_drop_rule(rule)(scores, 0.5, np.random.default_rng(123))
+    drop_c = get_drop_rule(rule)(scores, 0.5, np.random.default_rng(124))
+    assert drop_a.sum() == n_neg // 2
+    np.testing.assert_array_equal(drop_a, drop_b)
+    assert not np.array_equal(drop_a, drop_c)
+    if rule == "neg-random":
+        assert (scores[drop_a] < 0).all()
+
+
+def test_random_rule_draws_among_all_records():
+    # Over many draws, "random" drops positive records too (it is the size-matched baseline, not a negative filter)
+    scores = _scores(20, 60)
+    rng = np.random.default_rng(0)
+    hits = sum(get_drop_rule("random")(scores, 1.0, rng)[scores > 0].sum() for _ in range(20))
+    assert hits > 0
+
+
+def test_rules_do_not_modify_scores_and_break_ties_deterministically():
+    scores = np.array([-1.0, -1.0, -1.0, -1.0, 2.0])
+    copy = scores.copy()
+    for name, rule in DROP_RULES.items():
+        rule(scores, 0.5, np.random.default_rng(0))
+        np.testing.assert_array_equal(scores, copy, err_msg=name)
+    # Stable sort: ties go by position
+    np.testing.assert_array_equal(get_drop_rule("neg-bottom")(scores, 0.5, None), [True, True, False, False, False])
+
+
+def test_n_to_drop_is_robust_to_float_error():
+    assert n_to_drop(0.29, 100) == 29  # 0.29 * 100 == 28.999999999999996
+    assert n_to_drop(0.5, 7) == 3
+    assert n_to_drop(1.0, 7) == 7
+    assert n_to_drop(0.0, 7) == 0
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="Unknown IIF rule 'top'"):
+        get_drop_rule("top")
+    with pytest.raises(ValueError, match="flat score array"):
+        get_drop_rule("neg-bottom")(np.zeros((2, 2)), 0.5, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="NaN"):
+        get_drop_rule("bottom")(np.array([0.0, np.nan]), 0.5, np.random.default_rng(0))
