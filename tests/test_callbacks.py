@@ -125,7 +125,7 @@ def test_bad_inputs():
 def test_plain_ppo_raises_at_init_callback(callback_class):
     ppo = PPO("MlpPolicy", "CartPole-v1", **TINY)
     callback = callback_class()
-    with pytest.raises(TypeError, match="Use sb3_influence.InfluencePPO"):
+    with pytest.raises(TypeError, match=r"Use sb3_influence\.InfluencePPO"):
         callback.init_callback(ppo)
     with pytest.raises(TypeError, match="InfluencePPO"):
         ppo.learn(64, callback=callback_class())
@@ -137,7 +137,7 @@ def test_scores_computed_once_per_round_and_snapshot_keep_is_final(tmp_path, mon
         calls = []
         original = model.influence_engine.influence
 
-        def counting(*args, original=original, **kwargs):
+        def counting(*args, original=original, calls=calls, **kwargs):
             calls.append(1)
             return original(*args, **kwargs)
 
