@@ -1,12 +1,14 @@
 """
 Cost of influence scoring next to PPO's own update, measured side by side on the same rounds.
 
-Per round: collect one rollout; time PPO's ``train()`` on every record; restore the parameters and optimizer
-state; time ``compute_influence()`` (``"return"`` target, the paper's ``neg-bottom`` rule's input); drop records
-with ``neg-bottom`` and time ``train()`` on the kept ones (that IIF update is the one kept, so the next round
-starts from it). Reported: medians over rounds of ``t_influence / t_train``, of the PPO round
-(``rollout + train``) and of the IIF round (``rollout + influence + filtered train``), and the peak resident
-memory added by ``compute_influence`` (RSS sampled every 0.5 ms by a thread), with its scaling in ``n``.
+Per round: collect one rollout; time ``compute_influence()`` (``"return"`` target; median of 3 calls); pick the
+records to drop with the paper's ``neg-bottom`` rule; time PPO's ``train()`` on every record and on the kept
+records only, in ABBA order (full, filtered, filtered, full), each from the same saved parameters, optimizer
+state and RNG state, so that drifts of a shared machine's load cancel; then take the unfiltered update and go on
+to the next round. Reported: medians over rounds of ``t_influence / t_train``, of the PPO round
+(``rollout + train``) and of the IIF round (``rollout + influence + filtered train``), the ratio of optimizer
+steps, and the peak resident memory added by ``compute_influence`` (RSS sampled every 0.5 ms by a thread, with
+glibc's mmap threshold fixed at 64 KiB so that freed tensors leave RSS), with its scaling in ``n``.
 
     python benchmarks/overhead.py --repeats 5 --out benchmarks/results/overhead.json
 
@@ -92,6 +94,13 @@ def _collect(model: Any) -> float:
     return time.perf_counter() - tic
 
 
+def _restore(model: Any, saved: tuple[dict, dict], rng: tuple[Any, th.Tensor]) -> None:
+    model.policy.load_state_dict(saved[0])
+    model.policy.optimizer.load_state_dict(saved[1])
+    np.random.set_state(rng[0])
+    th.set_rng_state(rng[1])
+
+
 def _timed_train(model: Any) -> float:
     tic = time.perf_counter()
     model.train()
@@ -116,22 +125,31 @@ def measure_case(
         t_rollout = _collect(model)
         saved = (copy.deepcopy(model.policy.state_dict()), copy.deepcopy(model.policy.optimizer.state_dict()))
         rng = (np.random.get_state(), th.get_rng_state())
-        t_train = _timed_train(model)
-        model.policy.load_state_dict(saved[0])
-        model.policy.optimizer.load_state_dict(saved[1])
-        np.random.set_state(rng[0])
-        th.set_rng_state(rng[1])
-        with PeakRSS() as memory:
-            tic = time.perf_counter()
-            scores = model.compute_influence("return")
-            t_influence = time.perf_counter() - tic
+
+        times, peaks = [], []
+        for _ in range(3):
+            with PeakRSS() as memory:
+                tic = time.perf_counter()
+                scores = model.compute_influence("return")
+                times.append(time.perf_counter() - tic)
+            peaks.append(memory.added)
         buffer = model.rollout_buffer
-        drop = drop_neg_bottom(buffer.to_flat(scores), fraction, np.random.default_rng(0))
-        buffer.keep[:] = ~buffer.to_records(drop)
-        # This IIF update is kept: the next round starts from it
-        t_train_iif = _timed_train(model)
-        rows.append(dict(rollout=t_rollout, train=t_train, influence=t_influence, train_iif=t_train_iif,
-                         kept=float(buffer.flat_keep.mean()), memory_mib=memory.added / 2**20))  # fmt: skip
+        iif_keep = ~buffer.to_records(drop_neg_bottom(buffer.to_flat(scores), fraction, np.random.default_rng(0)))
+        # ABBA order (full, filtered, filtered, full) from the same parameters, so that load drifts cancel
+        train, train_iif = [], []
+        for filtered in (False, True, True, False):
+            buffer.keep[:] = iif_keep if filtered else True
+            (train_iif if filtered else train).append(_timed_train(model))
+            _restore(model, saved, rng)
+        # The next round starts from the unfiltered update
+        buffer.keep[:] = True
+        model.train()
+        n_kept = int(iif_keep.sum())
+        rows.append(dict(rollout=t_rollout, train=float(np.mean(train)), influence=statistics.median(times),
+                         train_iif=float(np.mean(train_iif)), kept=n_kept / buffer.n_records,
+                         steps=model.n_epochs * -(-buffer.n_records // model.batch_size),
+                         steps_iif=model.n_epochs * -(-n_kept // model.batch_size),
+                         memory_mib=max(peaks) / 2**20))  # fmt: skip
     ratio = [r["influence"] / r["train"] for r in rows]
     ppo_round = [r["rollout"] + r["train"] for r in rows]
     iif_round = [r["rollout"] + r["influence"] + r["train_iif"] for r in rows]
@@ -144,6 +162,7 @@ def measure_case(
         "iif_round_s": statistics.median(iif_round),
         "iif_over_ppo_round": statistics.median(i / p for i, p in zip(iif_round, ppo_round, strict=True)),
         "kept_fraction": statistics.median(r["kept"] for r in rows),
+        "optimizer_steps_iif_over_ppo": statistics.median(r["steps_iif"] / r["steps"] for r in rows),
         "influence_peak_mib": max(r["memory_mib"] for r in rows),
         "rounds": rows,
     }
@@ -171,14 +190,15 @@ def markdown(result: dict[str, Any]) -> str:
     """The tables of ``docs/benchmarks.md``."""
     lines = [
         "| case | n | influence (s) | PPO train() (s) | influence / train | PPO round (s) | IIF round (s) | IIF / PPO round "
-        "| kept | peak extra RSS (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| kept | optimizer steps IIF / PPO | peak extra RSS (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, case in result["cases"].items():
         lines.append(
             f"| {name} | {case['n']} | {case['influence_s']:.3f} | {case['train_s']:.2f} | "
             f"{100 * case['influence_over_train']:.1f} % | {case['ppo_round_s']:.2f} | {case['iif_round_s']:.2f} | "
-            f"{case['iif_over_ppo_round']:.3f} | {case['kept_fraction']:.3f} | {case['influence_peak_mib']:.1f} |"
+            f"{case['iif_over_ppo_round']:.3f} | {case['kept_fraction']:.3f} | {case['optimizer_steps_iif_over_ppo']:.3f} | "
+            f"{case['influence_peak_mib']:.1f} |"
         )
     lines += ["", "| n (one chunk) | influence (s) | peak extra RSS (MiB) | MiB per 1000 records |", "|---|---|---|---|"]
     for row in result["scaling"]:
@@ -197,6 +217,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the results to this JSON file")
     args = parser.parse_args()
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        # Large blocks straight from mmap and back to the OS when freed: RSS then tracks live tensors (glibc)
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     th.set_num_threads(args.threads)
