@@ -146,3 +146,27 @@ def test_in_process_train_with_the_paper_config(tmp_path, monkeypatch):
     assert model.max_grad_norm >= 1e9
     config = (tmp_path / "logs" / "influence_ppo" / "CartPole-v1_1" / "CartPole-v1" / "config.yml").read_text()
     assert "sb3_influence.IIFCallback" in config
+
+
+def test_minigrid_entry_builds_the_papers_cnn(tmp_path, monkeypatch):
+    pytest.importorskip("minigrid")
+    from sb3_influence import zoo
+
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "train", "--algo", "influence_ppo", "--env", "MiniGrid-Empty-8x8-v0",
+        "-conf", os.path.join(ROOT, "zoo_configs", "influence_ppo.yml"),
+        "-n", "32", "--eval-freq", "-1", "--seed", "0", "-f", str(tmp_path / "logs"), "--verbose", "0",
+        "-params", "n_steps:32", "batch_size:32", "n_epochs:1",
+    ]  # fmt: skip
+    assert zoo.main(argv) == 0
+    run_dir = tmp_path / "logs" / "influence_ppo" / "MiniGrid-Empty-8x8-v0_1"
+    model = InfluencePPO.load(str(run_dir / "MiniGrid-Empty-8x8-v0.zip"))
+    extractor = model.policy.features_extractor
+    assert isinstance(extractor, MiniGridCNN)
+    convs = [layer for layer in extractor.cnn if isinstance(layer, nn.Conv2d)]
+    assert [(conv.in_channels, conv.out_channels, conv.kernel_size) for conv in convs] == [(3, 16, (3, 3)), (16, 32, (3, 3))]
+    assert extractor.linear[0].in_features == 288 and extractor.linear[0].out_features == 64
+    assert model.policy.net_arch == dict(pi=[64, 64], vf=[64, 64])
+    with pytest.raises(ValueError, match="ImgObsWrapper"):
+        MiniGridCNN(gym.spaces.Box(0, 1, (4,)))
