@@ -170,3 +170,28 @@ def test_filtering_arms_drop_records_from_identical_initial_weights(tmp_path):
     # Same seed, same first rollout: both filters drop floor(0.5 * n_neg) of the same records' count
     assert 0.5 < kept["iif"] < 1.0
     assert kept["random"] == kept["iif"]
+
+
+def test_resolution_floors_creeping_curves():
+    rounds = [0, 1, 2, 3, 4]
+    # An exact evaluation creeping to 1: without a resolution every tiny gain is a new PPO level and a peak
+    # that the other arm "misses" by 1e-4
+    ppo = [0.0, 0.5, 0.999, 0.9999, 0.99999]
+    iif = [0.0, 0.9, 0.9995, 0.9995, 0.9995]
+    raw = bench.speedup_metrics(rounds, ppo, iif)
+    assert raw["n_levels"] == 4 and raw["peak_reached"] == 0.0
+    floored = bench.speedup_metrics(rounds, ppo, iif, resolution=0.01)
+    # levels 0.5 and 0.99, both reached by IIF at round 1 and 2
+    assert floored["n_levels"] == 2 and floored["peak_reached"] == 1.0
+    assert floored["se_ave"] == pytest.approx(np.mean([0.0, 0.0]))
+    with pytest.raises(ValueError, match="resolution"):
+        bench.speedup_metrics(rounds, ppo, iif, resolution=-1)
+
+
+def test_time_key_prefers_cpu_time():
+    result = _fake_result("ppo", 0, [0.0, 1.0], [0.0, 2.0])
+    assert bench.time_key(result) == "wall_time"
+    for row, cpu in zip(result["rows"], (0.0, 1.5), strict=True):
+        row["cpu_time"] = cpu
+    assert bench.time_key(result) == "cpu_time"
+    assert bench.curve(result, "cpu_time")[2].tolist() == [0.0, 1.5]
