@@ -150,3 +150,14 @@ def test_metadata_is_plain_json(tmp_path):
         "arr": [0, 1, 2],
         "t": [1, 2],
     }
+
+
+def test_loaded_snapshot_feeds_the_analysis_reader(tmp_path):
+    from sb3_influence.analysis import _io
+
+    model = InfluencePPO("MlpPolicy", "CartPole-v1", seed=0, **TINY)
+    model.learn(32, callback=AttributionCallback(save_dir=str(tmp_path)))
+    snapshot = load_snapshot(str(tmp_path / "snapshot_32_steps.npz"))
+    arrays = _io.snapshot_arrays(snapshot)
+    assert _io.snapshot_metadata(arrays) == snapshot.metadata
+    assert snapshot.metadata["seed"] == 0

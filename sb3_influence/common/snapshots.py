@@ -59,7 +59,7 @@ class Snapshot:
     """
     One loaded snapshot.
 
-    :param arrays: Every array of the file (``metadata`` excluded), by key.
+    :param arrays: Every array of the file by key (``metadata`` as the raw 0-d JSON string array).
     :param metadata: The decoded ``metadata`` JSON.
     :param path: The file it was read from.
     """
@@ -298,7 +298,8 @@ def load_snapshot(path: str) -> Snapshot:
         arrays = {key: data[key] for key in data.files}
     if "metadata" not in arrays or "keep" not in arrays:
         raise ValueError(f"{path!r} is not an attribution snapshot (no 'metadata' or 'keep' array)")
-    metadata = json.loads(str(arrays.pop("metadata")))
+    # The raw JSON stays in ``arrays`` too, for readers that take a dict of arrays (sb3_influence.analysis)
+    metadata = json.loads(str(arrays["metadata"]))
     return Snapshot(arrays=arrays, metadata=metadata, path=path)
 
 
