@@ -13,7 +13,7 @@ with open(os.path.join(os.path.dirname(__file__), "..", "sb3_influence", "versio
 
 project = "sb3_influence"
 author = "sb3_influence contributors"
-copyright = "2026, sb3_influence contributors"  # noqa: A001
+copyright = "2026, sb3_influence contributors"
 version = __version__
 release = __version__
 

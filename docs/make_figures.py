@@ -71,7 +71,9 @@ def main(snapshot_dir: str = "/tmp/sb3_influence_docs_snapshots") -> None:
     ax.set_ylabel("Δ f_return vs unfiltered retrain")
     ax.set_title("Retraining a round without chosen records", fontsize=10)
     figure.savefig(os.path.join(OUT, "intervention.png"), dpi=100)
-    summary = table[table.arm != "none"].groupby("arm")[["delta_target", "delta_return"]].agg(["mean", lambda x: (x > 0).mean()])
+    summary = (
+        table[table.arm != "none"].groupby("arm")[["delta_target", "delta_return"]].agg(["mean", lambda x: (x > 0).mean()])
+    )
     print(summary.round(4).to_string())
 
 
