@@ -1,5 +1,5 @@
 SHELL=/bin/bash
-LINT_PATHS=sb3_influence/ tests/ benchmarks/ docs/conf.py
+LINT_PATHS=sb3_influence/ tests/ benchmarks/ scripts/ docs/conf.py docs/make_figures.py
 
 # The README's test command
 test:
