@@ -54,6 +54,23 @@ class TinyCNN(BaseFeaturesExtractor):
         return self.linear(self.cnn(observations))
 
 
+class OddExtractor(BaseFeaturesExtractor):
+    """Layers off the beaten track: grouped circular Conv1d, LayerNorm (forward-mode path), a Linear used twice."""
+
+    def __init__(self, observation_space: spaces.Box, features_dim: int = 8):
+        super().__init__(observation_space, features_dim)
+        channels, length = observation_space.shape
+        self.conv = th.nn.Conv1d(channels, 4, kernel_size=3, padding=1, padding_mode="circular", groups=2)
+        self.norm = th.nn.LayerNorm(4 * length)
+        self.down = th.nn.Linear(4 * length, features_dim)
+        self.shared = th.nn.Linear(features_dim, features_dim)
+
+    def forward(self, observations: th.Tensor) -> th.Tensor:
+        hidden = self.norm(th.tanh(self.conv(observations)).flatten(1))
+        hidden = th.tanh(self.shared(th.tanh(self.down(hidden))))
+        return th.tanh(self.shared(hidden))
+
+
 IMAGE_SPACE = spaces.Box(0, 255, (3, 8, 8), dtype=np.uint8)
 VECTOR_SPACE = spaces.Box(-1.0, 1.0, (3,), dtype=np.float32)
 ACTION_SPACES = {
@@ -67,6 +84,7 @@ OBSERVATION_SPACES = {
     "discrete": spaces.Discrete(5),
     "dict": spaces.Dict({"vec": VECTOR_SPACE, "pos": spaces.Discrete(4)}),
     "image": IMAGE_SPACE,
+    "sequence": spaces.Box(-1.0, 1.0, (2, 8), dtype=np.float32),
 }
 
 
@@ -79,6 +97,8 @@ def policy_for(obs: str) -> tuple[str, dict]:
         return "MultiInputPolicy", dict(net_arch=[8])
     if obs == "image":
         return "CnnPolicy", dict(features_extractor_class=TinyCNN, net_arch=[8])
+    if obs == "sequence":
+        return "MlpPolicy", dict(features_extractor_class=OddExtractor, net_arch=[8])
     return "MlpPolicy", dict(net_arch=[8, 8])
 
 

@@ -26,6 +26,7 @@ CASES = {
     "dict": ("dict", "multidiscrete", {}),
     "multibinary": ("discrete", "multibinary", {}),
     "gsde": ("box", "box", {"use_sde": True}),
+    "odd-layers": ("sequence", "box", {}),
 }
 
 

@@ -8,13 +8,14 @@ For a record i with training loss ``ℓ_i = −Â_i log π(a_i|s_i)`` and a targ
 So the engine computes one target gradient ``v`` and then the *alignment* ``D_i = ⟨∇θ log π_i, v⟩`` of every
 record, in chunks:
 
-- ``Linear`` and ``Conv2d`` layers: the ghost dot product (METHOD §3). A forward hook keeps the layer input
-  ``x_i``; the gradient ``g_i`` of ``Σ_i log π_i`` with respect to the layer output is record i's own (records
-  do not interact), and ``⟨g_i x_iᵀ, P⟩ + ⟨g_i, p_b⟩ = ((x_i Pᵀ) ⊙ g_i).sum()`` with ``P = v_W``. Conv2d uses the
-  same identity on ``unfold`` patches. A layer called several times adds one term per call.
-- Every other parameter (``log_std``, layer norms, embeddings, convolutions with groups, ...): one
-  forward-mode pass, ``torch.func.jvp`` of the per-record log-probabilities in the direction of ``v``
-  restricted to those parameters, which is exactly ``D_i`` for them.
+- ``Linear`` and ``Conv1d/2d/3d`` layers: the ghost dot product (METHOD §3). A forward hook keeps the layer
+  input ``x_i``; the gradient ``g_i`` of ``Σ_i log π_i`` with respect to the layer output is record i's own
+  (records do not interact), and ``⟨g_i x_iᵀ, P⟩ + ⟨g_i, p_b⟩ = ((x_i Pᵀ) ⊙ g_i).sum() + g_i · p_b`` with
+  ``P = v_W``; a convolution uses the same identity through one convolution of its input with ``P`` (see
+  ``_ghost_dot``). A layer called several times adds one term per call.
+- Every other parameter (``log_std``, layer norms, embeddings, ...): one forward-mode pass, ``torch.func.jvp``
+  of the per-record log-probabilities in the direction of ``v`` restricted to those parameters, which is
+  exactly ``D_i`` for them.
 
 ``method="jvp"`` sends every parameter down the forward-mode path; it is the cross-check of the ghost path.
 Memory is O(chunk · layer width): no ``[n, G, F]`` tensor is ever built. Scoring runs in eval mode and with no
@@ -57,39 +58,40 @@ class _ActorLogProb(nn.Module):
         return engine._log_prob_tensors(observations, actions)
 
 
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
 def _ghostable(module: nn.Module) -> bool:
-    if isinstance(module, nn.Linear):
-        return True
-    if isinstance(module, nn.Conv2d):
-        return module.groups == 1 and module.padding_mode == "zeros" and not isinstance(module.padding, str)
-    return False
+    return isinstance(module, (nn.Linear, *_CONVOLUTIONS))
 
 
 def _ghost_dot(
     module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
 ) -> th.Tensor:
-    """``⟨∂(log π_i)/∂W, v_W⟩ + ⟨∂(log π_i)/∂b, v_b⟩`` for every record, from one layer call (METHOD §3)."""
+    """
+    ``⟨∂(log π_i)/∂W, v_W⟩ + ⟨∂(log π_i)/∂b, v_b⟩`` for every record, from one layer call (METHOD §3).
+
+    The layer is linear in its weight: record i's weight gradient is ``g_i x_iᵀ`` (summed over positions for a
+    convolution, ``x`` being its patches), and ``⟨g_i x_iᵀ, P⟩ = ⟨g_i, layer(x_i; weight=P, bias=0)⟩``. For a
+    Linear layer that is ``((x_i Pᵀ) ⊙ g_i).sum()``; for a convolution it is one convolution of the input with
+    ``P``, which is the ``unfold`` identity without building the patches (and covers strides, dilation,
+    groups and padding modes, since the layer's own ``_conv_forward`` applies them).
+    """
     n = inputs.shape[0]
-    if isinstance(module, nn.Conv2d):
-        # Patches U: [n, C·kh·kw, L]; output gradient G: [n, O, L]
-        padding = module.padding
-        assert not isinstance(padding, str)  # string paddings go to the forward-mode path (see _ghostable)
-        patches = F.unfold(inputs, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
-        grad_out = grad_out.reshape(n, grad_out.shape[1], -1)
-        out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
-        if v_weight is not None:
-            out = out + (th.matmul(v_weight.reshape(v_weight.shape[0], -1), patches) * grad_out).sum(dim=(1, 2))
-        if v_bias is not None:
-            out = out + grad_out.sum(dim=2) @ v_bias
-        return out
-    # Linear: inputs [n, ..., F], grad_out [n, ..., G]
-    inputs = inputs.reshape(n, -1, inputs.shape[-1])
-    grad_out = grad_out.reshape(n, -1, grad_out.shape[-1])
     out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
     if v_weight is not None:
-        out = out + ((inputs @ v_weight.T) * grad_out).sum(dim=(1, 2))
+        if isinstance(module, nn.Linear):
+            direction = F.linear(inputs, v_weight)
+        else:
+            direction = module._conv_forward(inputs, v_weight, None)  # type: ignore[operator]
+        out = out + (direction * grad_out).reshape(n, -1).sum(dim=1)
     if v_bias is not None:
-        out = out + grad_out.sum(dim=1) @ v_bias
+        # The bias is added at every position: Linear [n, ..., G], convolutions [n, C, *spatial]
+        if isinstance(module, nn.Linear):
+            per_unit = grad_out.reshape(n, -1, grad_out.shape[-1]).sum(dim=1)
+        else:
+            per_unit = grad_out.reshape(n, grad_out.shape[1], -1).sum(dim=2)
+        out = out + per_unit @ v_bias
     return out
 
 
@@ -218,6 +220,53 @@ class InfluenceEngine:
             for handle in handles:
                 handle.remove()
 
+    def _plan(
+        self, v: dict[str, th.Tensor]
+    ) -> tuple[dict[nn.Module, tuple[th.Tensor | None, th.Tensor | None]], dict[str, th.Tensor]]:
+        """Split ``v`` into the layers scored by ghost dot products and the parameters left to forward mode."""
+        named = dict(self.policy.named_parameters())
+        name_of = {id(param): name for name, param in named.items()}
+        ghost: dict[nn.Module, tuple[th.Tensor | None, th.Tensor | None]] = {}
+        covered: set[int] = set()
+        if self.method == "ghost":
+            for module in self.policy.modules():
+                if not _ghostable(module):
+                    continue
+                v_w = v.get(name_of.get(id(module.weight), ""))
+                v_b = v.get(name_of.get(id(module.bias), "")) if module.bias is not None else None
+                if v_w is None and v_b is None:
+                    continue
+                ghost[module] = (v_w, v_b)
+                covered.add(id(module.weight))
+                if module.bias is not None:
+                    covered.add(id(module.bias))
+        rest = {name: v[name] for name in v if id(named[name]) not in covered}
+        return ghost, rest
+
+    def _chunk_alignment(
+        self,
+        plan: tuple[dict[nn.Module, tuple[th.Tensor | None, th.Tensor | None]], dict[str, th.Tensor]],
+        obs: Any,
+        actions: th.Tensor,
+        forward: tuple[th.Tensor, list[tuple[nn.Module, th.Tensor, th.Tensor]]] | None = None,
+    ) -> th.Tensor:
+        """``D_i`` for one chunk; ``forward`` reuses a forward pass already captured over every ghostable layer."""
+        ghost, rest = plan
+        chunk = th.zeros(len(actions), dtype=self.dtype, device=self.device)
+        if ghost:
+            if forward is None:
+                with self._capture(list(ghost)) as calls:
+                    log_prob = self._actor(obs, actions)
+            else:
+                log_prob, calls = forward[0], [call for call in forward[1] if call[0] in ghost]
+            grads = th.autograd.grad(log_prob.sum(), [output for _, _, output in calls], allow_unused=True)
+            for (module, inputs, _), grad_out in zip(calls, grads, strict=True):
+                if grad_out is not None:
+                    chunk = chunk + _ghost_dot(module, inputs, grad_out, *ghost[module])
+        if rest:
+            chunk = chunk + self._jvp(rest, obs, actions)
+        return chunk.detach()
+
     def alignment(self, v: dict[str, th.Tensor], batch_size: int, ids: np.ndarray | None = None) -> np.ndarray:
         """
         ``D_i = ⟨∇θ log π(a_i|s_i), v⟩`` for every record of the buffer (or only the records ``ids``).
@@ -227,40 +276,27 @@ class InfluenceEngine:
         :param ids: Flat record ids to score; every record when None.
         :return: Flat float64 array indexed by record id (zero outside ``ids``).
         """
-        named = dict(self.policy.named_parameters())
-        name_of = {id(param): name for name, param in named.items()}
-        ghost_modules, v_by_module, covered = [], {}, set()
-        if self.method == "ghost":
-            for module in self.policy.modules():
-                if not _ghostable(module):
-                    continue
-                v_w = v.get(name_of.get(id(module.weight), ""))
-                v_b = v.get(name_of.get(id(module.bias), "")) if module.bias is not None else None
-                if v_w is None and v_b is None:
-                    continue
-                ghost_modules.append(module)
-                v_by_module[module] = (v_w, v_b)
-                covered.add(id(module.weight))
-                if module.bias is not None:
-                    covered.add(id(module.bias))
-        rest = {name: v[name] for name in v if id(named[name]) not in covered}
-
+        plan = self._plan(v)
         scores = np.zeros(self.buffer.n_records, dtype=np.float64)
         for chunk_ids, obs, actions, _ in self.buffer_batches(batch_size, ids):
-            chunk = th.zeros(len(chunk_ids), dtype=self.dtype, device=self.device)
-            if ghost_modules:
-                with self._capture(ghost_modules) as calls:
-                    log_prob = self._actor(obs, actions)
-                outputs = [output for _, _, output in calls]
-                grads = th.autograd.grad(log_prob.sum(), outputs, allow_unused=True)
-                for (module, inputs, _), grad_out in zip(calls, grads, strict=True):
-                    if grad_out is not None:
-                        chunk = chunk + _ghost_dot(module, inputs, grad_out, *v_by_module[module])
-                del calls, outputs, grads, log_prob
-            if rest:
-                chunk = chunk + self._jvp(rest, obs, actions)
-            scores[chunk_ids] = chunk.detach().cpu().double().numpy()
+            scores[chunk_ids] = self._chunk_alignment(plan, obs, actions).cpu().double().numpy()
         return scores
+
+    def _fused_alignment(self, weights: np.ndarray) -> np.ndarray:
+        """
+        ``∇f`` and ``D`` from one forward pass, for a target ``f = Σ_j w_j log π(a_j|s_j)`` over the buffer's own
+        records when the whole buffer fits in one chunk (the common IIF case).
+        """
+        _, obs, actions, _ = next(self.buffer_batches(self.buffer.n_records))
+        with self._capture([module for module in self.policy.modules() if _ghostable(module)]) as calls:
+            log_prob = self._actor(obs, actions)
+        names, params = zip(*[(name, p) for name, p in self.policy.named_parameters() if p.requires_grad], strict=True)
+        objective = (th.as_tensor(weights, device=self.device).to(self.dtype) * log_prob).sum()
+        grads = th.autograd.grad(objective, params, retain_graph=True, allow_unused=True)
+        v = {name: g.detach() for name, g in zip(names, grads, strict=True) if g is not None}
+        if not v:
+            return np.zeros(self.buffer.n_records)
+        return self._chunk_alignment(self._plan(v), obs, actions, forward=(log_prob, calls)).cpu().double().numpy()
 
     def _jvp(self, v: dict[str, th.Tensor], obs: Any, actions: th.Tensor) -> th.Tensor:
         names = list(v)
@@ -287,11 +323,15 @@ class InfluenceEngine:
         :param batch_size: Records per chunk.
         :return: Flat float64 array indexed by record id.
         """
+        advantages = np.asarray(advantages, dtype=np.float64)
         with self.eval_mode():
+            buffer_weights = getattr(target, "buffer_weights", None)
+            if buffer_weights is not None and self.method == "ghost" and self.buffer.n_records <= batch_size:
+                return advantages * self._fused_alignment(np.asarray(buffer_weights(self)))
             v = self.target_gradient(target, batch_size)
             if not v:
                 return np.zeros(self.buffer.n_records)
-            return np.asarray(advantages, dtype=np.float64) * self.alignment(v, batch_size)
+            return advantages * self.alignment(v, batch_size)
 
     @contextmanager
     def eval_mode(self) -> Iterator[None]:

@@ -9,6 +9,10 @@ to the policy parameters. The engine gives targets two helpers:
 - ``engine.log_prob(observations, actions)``: differentiable ``log π_θ(a|s)`` for a batch (numpy or torch);
 - ``engine.buffer_batches(batch_size)``: the current rollout buffer in chunks of
   ``(record_ids, observations, actions, raw_advantages)`` tensors.
+
+A target of the form ``f = Σ_j w_j log π(a_j|s_j)`` over the buffer's own records (like ``ReturnTarget``) may also
+define ``buffer_weights(engine) -> np.ndarray`` (flat, by record id): when the buffer fits in one scoring chunk the
+engine then computes ``∇f`` and the scores from a single forward pass. ``terms`` must describe the same f.
 """
 
 from collections.abc import Iterable, Iterator
@@ -62,6 +66,10 @@ class ReturnTarget:
         n_records = engine.buffer.n_records
         for _, observations, actions, advantages in engine.buffer_batches(batch_size):
             yield (advantages * engine.log_prob(observations, actions)).sum() / n_records
+
+    def buffer_weights(self, engine: "InfluenceEngine") -> np.ndarray:
+        """``w_j = A_j / n``: f is ``Σ_j w_j log π(a_j|s_j)`` over the buffer's records (lets the engine fuse passes)."""
+        return engine.buffer.flat_field("advantages").astype(np.float64) / engine.buffer.n_records
 
 
 @dataclass(eq=False)
