@@ -1,4 +1,4 @@
-"""The documentation: every ```python block of docs/**/*.md runs, and the Sphinx build has no warning."""
+"""The documentation: every ```python block of docs/**/*.md and README.md runs, and the Sphinx build has no warning."""
 
 import re
 import subprocess
@@ -10,7 +10,8 @@ import pytest
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 # Blocks fenced exactly ```python run; ```{code-block} python blocks are shown but not run (see docs/index.md)
 BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
-PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)
+README = DOCS.parent / "README.md"
+PAGES = [*sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts), README]
 
 
 def python_blocks(page: Path) -> list[str]:
@@ -18,7 +19,7 @@ def python_blocks(page: Path) -> list[str]:
 
 
 def test_pages_have_examples():
-    pages_with_code = {p.relative_to(DOCS).as_posix() for p in PAGES if python_blocks(p)}
+    pages_with_code = {p.relative_to(DOCS).as_posix() for p in PAGES if p != README and python_blocks(p)}
     expected = {
         "guide/quickstart.md",
         "guide/applications.md",
@@ -29,7 +30,11 @@ def test_pages_have_examples():
     assert expected <= pages_with_code
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.relative_to(DOCS).as_posix())
+def page_id(page: Path) -> str:
+    return page.relative_to(DOCS.parent).as_posix()
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=page_id)
 def test_code_blocks_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MPLBACKEND", "Agg")
@@ -38,7 +43,7 @@ def test_code_blocks_run(page, tmp_path, monkeypatch):
         try:
             exec(compile(block, f"{page.name}[block {i}]", "exec"), namespace)
         except Exception as error:
-            raise AssertionError(f"{page.relative_to(DOCS)} block {i} failed:\n{block}") from error
+            raise AssertionError(f"{page_id(page)} block {i} failed:\n{block}") from error
 
 
 def test_block_extraction_convention():
