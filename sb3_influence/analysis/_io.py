@@ -162,14 +162,3 @@ def observations(arrays: dict[str, np.ndarray]) -> np.ndarray:
         parts = [arrays[k] for k in keys]
     n = int(np.prod(parts[0].shape[:2]))
     return np.concatenate([np.asarray(p, dtype=np.float64).reshape(n, -1) for p in parts], axis=1)
-
-
-def current_round(model: Any) -> int:
-    """
-    0-based index of the round whose rollout the model's buffer holds, numbered as the snapshots' ``round``
-    (``num_timesteps // (n_steps · n_envs) - 1``: the first rollout is round 0).
-
-    :param model: An ``InfluencePPO`` model.
-    :return: The round index.
-    """
-    return max(0, int(model.num_timesteps) // (int(model.n_steps) * int(model.n_envs)) - 1)

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch as th
 from gymnasium import spaces
-from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_influence.analysis._io import current_round, influence_key, snapshot_arrays
+from sb3_influence.analysis._callbacks import RoundCallback
+from sb3_influence.analysis._io import influence_key, snapshot_arrays
+from sb3_influence.common.snapshots import round_index
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -231,7 +232,7 @@ def diagnose_tabular(
     true_advantage = values.advantage[states, actions]
     rho, p_value = advantage_correlation(influence, true_advantage, estimate)
     return {
-        "round": current_round(model),
+        "round": round_index(model),
         "num_timesteps": int(model.num_timesteps),
         "spearman": rho,
         "p_value": p_value,
@@ -243,7 +244,7 @@ def diagnose_tabular(
     }
 
 
-class DiagnosisCallback(BaseCallback):
+class DiagnosisCallback(RoundCallback):
     """
     Run :func:`diagnose_tabular` at chosen rounds of an ``InfluencePPO`` training on a tabular env.
 
@@ -264,31 +265,16 @@ class DiagnosisCallback(BaseCallback):
         estimated: str = "advantage",
         verbose: int = 0,
     ):
-        super().__init__(verbose)
-        if rounds is not None and (
-            not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 0 for r in rounds)
-        ):
-            raise ValueError(f"rounds must be a list of non-negative ints (0 = the first rollout) or None, got {rounds!r}")
+        super().__init__(rounds, verbose)
         if estimated not in ("advantage", "training_advantage"):
             raise ValueError(f"estimated must be 'advantage' or 'training_advantage', got {estimated!r}")
-        self.rounds = None if rounds is None else {int(r) for r in rounds}
         self.diagnosis_env = env
         self.target = target
         self.estimated = estimated
         self.results: list[dict[str, Any]] = []
 
-    def _init_callback(self) -> None:
-        if not hasattr(self.model, "compute_influence"):
-            raise TypeError(f"DiagnosisCallback needs an InfluencePPO model, got {type(self.model).__name__}")
-
-    def _on_step(self) -> bool:
-        return True
-
-    def _on_rollout_end(self) -> None:
-        round_index = current_round(self.model)
-        if self.rounds is not None and round_index not in self.rounds:
-            return
+    def _on_round(self, index: int) -> None:
         result = diagnose_tabular(self.model, self.diagnosis_env, self.target, self.estimated)  # type: ignore[arg-type]
         self.results.append(result)
         if self.verbose >= 1:
-            print(f"round {round_index}: Spearman(influence, true x estimated advantage) = {result['spearman']:.3f}")
+            print(f"round {index}: Spearman(influence, true x estimated advantage) = {result['spearman']:.3f}")

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch as th
-from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 
-from sb3_influence.analysis._io import current_round
+from sb3_influence.analysis._callbacks import RoundCallback
+from sb3_influence.common.snapshots import round_index
 from sb3_influence.common.targets import Target, as_target
 
 if TYPE_CHECKING:
@@ -205,12 +205,12 @@ def intervene(
     table = pd.DataFrame(rows)
     table["delta_target"] = table["target_after"] - table.loc[0, "target_after"]
     table["delta_return"] = table["test_return"] - table.loc[0, "test_return"]
-    table["round"] = current_round(model)
+    table["round"] = round_index(model)
     table["num_timesteps"] = int(model.num_timesteps)
     return table
 
 
-class InterventionCallback(BaseCallback):
+class InterventionCallback(RoundCallback):
     """
     Run :func:`intervene` at chosen rounds of an ``InfluencePPO`` training; training itself is unaffected.
 
@@ -223,27 +223,12 @@ class InterventionCallback(BaseCallback):
     """
 
     def __init__(self, rounds: Sequence[int] | None = None, eval_env: Any = None, verbose: int = 0, **intervene_kwargs: Any):
-        super().__init__(verbose)
-        if rounds is not None and not all(
-            isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 0 for r in rounds
-        ):
-            raise ValueError(f"rounds must be a list of non-negative ints (0 = the first rollout) or None, got {rounds!r}")
-        self.rounds = None if rounds is None else {int(r) for r in rounds}
+        super().__init__(rounds, verbose)
         self.eval_env = eval_env
         self.intervene_kwargs = intervene_kwargs
         self.results: list[pd.DataFrame] = []
 
-    def _init_callback(self) -> None:
-        if not hasattr(self.model, "compute_influence"):
-            raise TypeError(f"InterventionCallback needs an InfluencePPO model, got {type(self.model).__name__}")
-
-    def _on_step(self) -> bool:
-        return True
-
-    def _on_rollout_end(self) -> None:
-        round_index = current_round(self.model)
-        if self.rounds is not None and round_index not in self.rounds:
-            return
+    def _on_round(self, index: int) -> None:
         table = intervene(self.model, eval_env=self.eval_env, **self.intervene_kwargs)  # type: ignore[arg-type]
         self.results.append(table)
         if self.verbose >= 1:
