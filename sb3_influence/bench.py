@@ -25,9 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch as th
-from gymnasium import spaces
-from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
-from torch import nn
 
 ARMS = ("ppo", "iif", "random")
 # A curve: a list or a 1-D numpy array
@@ -211,28 +208,6 @@ def bootstrap_ci(values: Floats, n_boot: int = 10_000, level: float = 0.95, seed
 
 
 # ---------------------------------------------------------------------------------------------------- harness
-class MiniGridCNN(BaseFeaturesExtractor):
-    """
-    The paper's MiniGrid extractor (METHOD §4): Conv(3→16, 3x3) → ReLU → Conv(16→32, 3x3) → ReLU → Flatten(288) →
-    Linear(288→64) → ReLU. Defined here so that every arm and every resumed run builds the very same network.
-
-    :param observation_space: The (channel-first, 7x7) image space.
-    :param features_dim: Output features.
-    """
-
-    def __init__(self, observation_space: spaces.Box, features_dim: int = 64):
-        super().__init__(observation_space, features_dim)
-        self.cnn = nn.Sequential(
-            nn.Conv2d(observation_space.shape[0], 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3), nn.ReLU(), nn.Flatten()
-        )
-        with th.no_grad():
-            n_flatten = self.cnn(th.zeros(1, *observation_space.shape)).shape[1]
-        self.linear = nn.Sequential(nn.Linear(n_flatten, features_dim), nn.ReLU())
-
-    def forward(self, observations: th.Tensor) -> th.Tensor:
-        return self.linear(self.cnn(observations))
-
-
 def make_env(spec: EnvSpec, n_envs: int, seed: int) -> Any:
     """
     The vectorised environment of a benchmark (``Monitor``-wrapped, ``ImgObsWrapper`` for MiniGrid).
@@ -262,7 +237,7 @@ def make_model(spec: EnvSpec, seed: int, **overrides: Any) -> Any:
     :param overrides: Replace any of :data:`PPO_KWARGS` (or add ``n_envs``, ``policy_kwargs``).
     :return: The model.
     """
-    from sb3_influence import InfluencePPO
+    from sb3_influence import InfluencePPO, MiniGridCNN
 
     kwargs = {**PPO_KWARGS, **overrides}
     n_envs = kwargs.pop("n_envs", 1)
@@ -272,7 +247,14 @@ def make_model(spec: EnvSpec, seed: int, **overrides: Any) -> Any:
         policy = "CnnPolicy"
         policy_kwargs.setdefault("features_extractor_class", MiniGridCNN)
         policy_kwargs.setdefault("net_arch", dict(pi=[64, 64], vf=[64, 64]))
-    return InfluencePPO(policy, make_env(spec, n_envs, seed), seed=seed, policy_kwargs=policy_kwargs, **kwargs)
+    # The initial weights depend on torch's thread count (SB3's orthogonal init goes through a QR decomposition):
+    # build every model with one thread, so that the same seed gives the same weights whatever the caller uses
+    previous = th.get_num_threads()
+    th.set_num_threads(1)
+    try:
+        return InfluencePPO(policy, make_env(spec, n_envs, seed), seed=seed, policy_kwargs=policy_kwargs, **kwargs)
+    finally:
+        th.set_num_threads(previous)
 
 
 def make_callback(arm: str, fraction: float) -> Any:
@@ -383,6 +365,18 @@ def run_one(
     :param checkpoint_every: Save the model under ``<out>/raw/`` every this many rounds (to resume).
     :return: The result dict (also on disk).
     """
+    # One torch thread per run (runs go in parallel, one per core); the caller's setting is restored afterwards
+    previous = th.get_num_threads()
+    th.set_num_threads(1)
+    try:
+        return _run_one(env, arm, seed, out, rounds, eval_episodes, checkpoint_every)
+    finally:
+        th.set_num_threads(previous)
+
+
+def _run_one(
+    env: str, arm: str, seed: int, out: str, rounds: int | None, eval_episodes: int, checkpoint_every: int
+) -> dict[str, Any]:
     from sb3_influence import InfluencePPO
 
     if env not in ENVS:
@@ -400,7 +394,6 @@ def run_one(
             previous = json.load(file)
         if previous.get("config") == config and previous.get("complete"):
             return previous
-    th.set_num_threads(1)
     eval_seed = 10_000 + seed
     checkpoint = os.path.join(out, "raw", env, f"{arm}_seed{seed}.zip")
     model = make_model(spec, seed)

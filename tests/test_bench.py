@@ -195,3 +195,18 @@ def test_time_key_prefers_cpu_time():
         row["cpu_time"] = cpu
     assert bench.time_key(result) == "cpu_time"
     assert bench.curve(result, "cpu_time")[2].tolist() == [0.0, 1.5]
+
+
+def test_initial_weights_do_not_depend_on_the_callers_thread_count():
+    import torch as th
+
+    previous = th.get_num_threads()
+    try:
+        hashes = set()
+        for threads in (1, 2):
+            th.set_num_threads(threads)
+            hashes.add(bench.parameter_hash(bench.make_model(bench.ENVS["CartPole"], 0, n_steps=64)))
+            assert th.get_num_threads() == threads
+    finally:
+        th.set_num_threads(previous)
+    assert len(hashes) == 1
