@@ -479,6 +479,8 @@ def run_all(
     for arm in arms:
         if arm not in ARMS:
             raise ValueError(f"unknown arm {arm!r}: choose from {ARMS}")
+    if (rounds is not None and rounds < 1) or eval_episodes < 1:
+        raise ValueError(f"rounds and eval_episodes must be >= 1, got rounds={rounds}, eval_episodes={eval_episodes}")
     order = sorted(arms, key=ARMS.index)
     jobs = [(env, arm, seed, out, rounds, eval_episodes, niceness) for env in envs for arm in order for seed in seeds]
     if workers <= 1:
@@ -643,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--envs", nargs="+", default=["FrozenLake", "Acrobot", "MiniGrid", "LunarLander"], choices=sorted(ENVS))
     run.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     run.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    run.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the paper's)")
+    run.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the paper's; LunarLander 50 of 150)")
     run.add_argument("--eval-episodes", type=int, default=10)
     run.add_argument("--workers", type=int, default=2)
     run.add_argument("--nice", type=int, default=0)

@@ -142,6 +142,8 @@ def test_bad_inputs(tmp_path):
         bench.run_one("Pong", "ppo", 0, str(tmp_path))
     with pytest.raises(ValueError, match="unknown arm"):
         bench.run_all(["CartPole"], ["nope"], [0], str(tmp_path))
+    with pytest.raises(ValueError, match="eval_episodes"):
+        bench.run_all(["CartPole"], ["ppo"], [0], str(tmp_path), eval_episodes=0)
 
 
 def test_run_one_end_to_end_and_skip_finished(tmp_path):
