@@ -7,8 +7,10 @@ records only, in ABBA order (full, filtered, filtered, full), each from the same
 state and RNG state, so that drifts of a shared machine's load cancel; then take the unfiltered update and go on
 to the next round. Reported: medians over rounds of ``t_influence / t_train``, of the PPO round
 (``rollout + train``) and of the IIF round (``rollout + influence + filtered train``), the ratio of optimizer
-steps, and the peak resident memory added by ``compute_influence`` (RSS sampled every 0.5 ms by a thread, with
-glibc's mmap threshold fixed at 64 KiB so that freed tensors leave RSS), with its scaling in ``n``.
+steps, and the peak resident memory added by ``compute_influence`` (RSS sampled every 0.5 ms by a thread,
+in a child process with
+glibc's mmap threshold fixed at 64 KiB so that freed tensors leave RSS; timings are taken without that setting,
+which slows allocation), with its scaling in ``n``.
 
     python benchmarks/overhead.py --repeats 5 --out benchmarks/results/overhead.json
 
@@ -21,6 +23,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -186,6 +189,30 @@ def measure_scaling(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
     return results
 
 
+def measure_memory(cases: list[str], sizes: list[int]) -> dict[str, Any]:
+    """
+    Peak extra RSS of one ``compute_influence`` call per case and per ``n`` (LunarLander MLP, one chunk). Run in a
+    child process with glibc's mmap threshold fixed at 64 KiB, so that freed tensors leave RSS (which also makes
+    allocation slower: timings are taken in the parent, without it).
+    """
+    memory: dict[str, Any] = {"cases": {}, "scaling": {}}
+    for name in cases:
+        model = _model(**CASES[name])
+        _collect(model)
+        model.compute_influence("return")
+        with PeakRSS() as peak:
+            model.compute_influence("return")
+        memory["cases"][name] = peak.added / 2**20
+    for n in sizes:
+        model = _model("LunarLander", 1, n, None)
+        _collect(model)
+        model.compute_influence("return", batch_size=n)
+        with PeakRSS() as peak:
+            model.compute_influence("return", batch_size=n)
+        memory["scaling"][str(n)] = peak.added / 2**20
+    return memory
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The tables of ``docs/benchmarks.md``."""
     lines = [
@@ -216,10 +243,12 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the results to this JSON file")
+    parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-        # Large blocks straight from mmap and back to the OS when freed: RSS then tracks live tensors (glibc)
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    if args.memory_child:
+        th.set_num_threads(args.threads)
+        print(json.dumps(measure_memory(args.cases, args.sizes)))
+        return
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     th.set_num_threads(args.threads)
@@ -234,6 +263,17 @@ def main() -> None:
         result["cases"][name] = measure_case(**CASES[name], repeats=args.repeats, fraction=args.fraction)
         print(name, {k: v for k, v in result["cases"][name].items() if k != "rounds"}, flush=True)
     result["scaling"] = measure_scaling(args.sizes, args.repeats)
+    # Memory in a child process whose large blocks come straight from mmap and go back to the OS when freed (glibc)
+    command = [sys.executable, os.path.abspath(__file__), "--memory-child", "--threads", str(args.threads), "--sizes"]
+    command += [str(n) for n in args.sizes] + ["--cases", *args.cases]
+    child = subprocess.run(command, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}, capture_output=True, text=True)
+    if child.returncode != 0:
+        raise RuntimeError(f"memory measurement failed:\n{child.stderr}")
+    memory = json.loads(child.stdout.strip().splitlines()[-1])
+    for name, case in result["cases"].items():
+        case["influence_peak_mib"] = memory["cases"][name]
+    for row in result["scaling"]:
+        row["peak_mib"] = memory["scaling"][str(row["n"])]
     print(markdown(result))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
