@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/benchmarks.md: 3 seeds, paper settings (see sb3_influence/bench.py), 2 worker processes
+# The runs behind docs/benchmarks.md: 3 seeds, paper settings (see sb3_influence/bench/harness.py), 2 worker processes
 # with one torch thread each. PPO and IIF of every environment first, random filtering afterwards.
 # Finished runs are skipped; an interrupted run resumes from its last 10-round checkpoint in benchmarks/results/raw/.
 set -euo pipefail
