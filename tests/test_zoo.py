@@ -129,18 +129,23 @@ def test_cli_train_run_with_yaml_callbacks(tmp_path):
     assert os.listdir(tmp_path / "tb" / "CartPole-v1")
 
 
-def test_in_process_train_with_the_paper_config(tmp_path, monkeypatch):
-    # The config's own callback list (IIFCallback + AttributionCallback for CartPole) and policy_kwargs string
+def _zoo_train(tmp_path, env_id: str, timesteps: int, seed: int, n_steps: int, batch_size: int) -> None:
+    """One in-process `sb3-influence-zoo train` with the paper's config and a tiny hyperparameter override."""
     from sb3_influence import zoo
 
-    monkeypatch.chdir(tmp_path)
     argv = [
-        "train", "--algo", "influence_ppo", "--env", "CartPole-v1",
+        "train", "--algo", "influence_ppo", "--env", env_id,
         "-conf", os.path.join(ROOT, "zoo_configs", "influence_ppo.yml"),
-        "-n", "128", "--eval-freq", "-1", "--seed", "1", "-f", str(tmp_path / "logs"), "--verbose", "0",
-        "-params", "n_steps:64", "batch_size:64", "n_epochs:1",
+        "-n", str(timesteps), "--eval-freq", "-1", "--seed", str(seed), "-f", str(tmp_path / "logs"), "--verbose", "0",
+        "-params", f"n_steps:{n_steps}", f"batch_size:{batch_size}", "n_epochs:1",
     ]  # fmt: skip
     assert zoo.main(argv) == 0
+
+
+def test_in_process_train_with_the_paper_config(tmp_path, monkeypatch):
+    # The config's own callback list (IIFCallback + AttributionCallback for CartPole) and policy_kwargs string
+    monkeypatch.chdir(tmp_path)
+    _zoo_train(tmp_path, "CartPole-v1", timesteps=128, seed=1, n_steps=64, batch_size=64)
     model = InfluencePPO.load(str(tmp_path / "logs" / "influence_ppo" / "CartPole-v1_1" / "CartPole-v1.zip"))
     assert isinstance(model.policy.optimizer, th.optim.SGD)
     assert model.max_grad_norm >= 1e9
@@ -150,16 +155,8 @@ def test_in_process_train_with_the_paper_config(tmp_path, monkeypatch):
 
 def test_minigrid_entry_builds_the_papers_cnn(tmp_path, monkeypatch):
     pytest.importorskip("minigrid")
-    from sb3_influence import zoo
-
     monkeypatch.chdir(tmp_path)
-    argv = [
-        "train", "--algo", "influence_ppo", "--env", "MiniGrid-Empty-8x8-v0",
-        "-conf", os.path.join(ROOT, "zoo_configs", "influence_ppo.yml"),
-        "-n", "32", "--eval-freq", "-1", "--seed", "0", "-f", str(tmp_path / "logs"), "--verbose", "0",
-        "-params", "n_steps:32", "batch_size:32", "n_epochs:1",
-    ]  # fmt: skip
-    assert zoo.main(argv) == 0
+    _zoo_train(tmp_path, "MiniGrid-Empty-8x8-v0", timesteps=32, seed=0, n_steps=32, batch_size=32)
     run_dir = tmp_path / "logs" / "influence_ppo" / "MiniGrid-Empty-8x8-v0_1"
     model = InfluencePPO.load(str(run_dir / "MiniGrid-Empty-8x8-v0.zip"))
     extractor = model.policy.features_extractor

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sb3_influence.analysis._io import influence_key, load_all, scalar, snapshot_files, snapshot_metadata, target_names
+from sb3_influence.analysis.formation import _spearman
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -49,14 +50,6 @@ def _png(figure: "Figure") -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
     return buffer.getvalue()
-
-
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    from scipy.stats import spearmanr
-
-    if x.size < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return float("nan")
-    return float(spearmanr(x, y).statistic)
 
 
 def rollout_episode_returns(arrays: dict[str, np.ndarray]) -> np.ndarray:
