@@ -19,7 +19,7 @@ import numpy as np
 
 from sb3_influence.common.callbacks import AttributionCallback, IIFCallback
 from sb3_influence.common.filters import DROP_RULES
-from sb3_influence.common.snapshots import Snapshot, load_snapshot, snapshot_files
+from sb3_influence.common.snapshots import Snapshot, load_all
 
 
 def _positive_int(text: str) -> int:
@@ -61,13 +61,13 @@ def _round_table(snapshots: list[Snapshot]) -> list[str]:
     lines = [f"{'round':>5} {'steps':>8} {'kept':>6} {'mean I':>11} {'std I':>11} {'frac<0':>7} {'corr(I,A)':>9}"]
     for snapshot in snapshots:
         arrays = snapshot.arrays
-        scores = arrays["influence/return"].ravel()
-        advantages = arrays["advantage"].ravel()
+        scores = snapshot.scores("return")
+        advantages = snapshot.flat("advantage")
         corr = np.nan
         if scores.std() > 0 and advantages.std() > 0:
             corr = float(np.corrcoef(scores, advantages)[0, 1])
         lines.append(
-            f"{int(arrays['round']):>5} {snapshot.num_timesteps:>8} {arrays['keep'].mean():>6.3f} {scores.mean():>11.3e} "
+            f"{snapshot.round:>5} {snapshot.num_timesteps:>8} {arrays['keep'].mean():>6.3f} {scores.mean():>11.3e} "
             f"{scores.std():>11.3e} {np.mean(scores < 0):>7.3f} {corr:>9.3f}"
         )
     return lines
@@ -105,14 +105,14 @@ def summary(save_dir: str, top: int = 3) -> str:
     :param top: Records listed at each end of the last round.
     :return: The text.
     """
-    snapshots = [load_snapshot(file) for file in snapshot_files(save_dir)]
+    snapshots = load_all(save_dir)
     snapshots = [snapshot for snapshot in snapshots if "return" in snapshot.targets]
     if not snapshots:
         raise ValueError(f"No snapshot scored with the 'return' target in {save_dir!r}")
     last = snapshots[-1]
     lines = ["Per round (I: influence on the return target; kept: fraction of records IIF kept):"]
     lines += _round_table(snapshots)
-    lines += ["", f"Most helpful (top) and most harmful (bottom) records of round {int(last.arrays['round'])}:"]
+    lines += ["", f"Most helpful (top) and most harmful (bottom) records of round {last.round}:"]
     lines += _extremes(last, top)
     return "\n".join(lines)
 

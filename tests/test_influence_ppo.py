@@ -139,7 +139,7 @@ def test_replacing_keep_with_wrong_shape_is_an_error():
     def replace(m):
         m.rollout_buffer.keep = np.ones(3, dtype=bool)
 
-    with pytest.raises(ValueError, match=r"rollout_buffer\.keep must have shape"):
+    with pytest.raises(ValueError, match=r"rollout_buffer\.keep must be a boolean array of shape"):
         model.learn(64, callback=OnRollout(replace))
 
 

@@ -1,27 +1,36 @@
 """
 Attribution snapshots: one ``.npz`` file per scored round, written by ``AttributionCallback``.
 
-File ``<save_dir>/<name_prefix>_<num_timesteps>_steps.npz`` holds, for the round's buffer of
-``(n_steps, n_envs)`` records:
+File ``<save_dir>/<name_prefix>_round<round:06d>_<num_timesteps>_steps.npz`` holds, for the round's buffer of
+``(n_steps, n_envs)`` records (arrays in the buffer's ``(n_steps, n_envs, ...)`` layout):
 
 - ``influence/<target name>``: float64 scores, one array per target;
 - the records: ``obs`` (``obs/<key>`` per key for Dict observations, as the policy sees them), ``action``,
   ``reward``, ``advantage`` (raw GAE), ``training_advantage`` (as normalised for the update), ``return``,
   ``value``, ``log_prob``, ``episode_start``, ``keep`` (after filtering), ``env``, ``step``;
-- scalars ``round`` and ``num_timesteps``;
-- ``metadata``: a JSON string (hyperparameters, seed, env id, targets, package versions, ``VecNormalize``
-  statistics when present).
+- scalars ``round`` (the model's round counter, the same number as in the file name, DataFrames and logs)
+  and ``num_timesteps``;
+- ``metadata``: a JSON string (hyperparameters, seed, env id, targets, the filters that acted and their
+  settings, package versions, ``VecNormalize`` statistics when present).
 
-Files are written atomically (temporary file in the same folder, then ``os.replace``), so a crash never
-leaves a corrupt snapshot behind. Loading never unpickles anything.
+**Record order.** Every flat view (:meth:`Snapshot.flat`, :func:`load_snapshots` rows, the analysis functions,
+the report) lists records by record id, ``env · n_steps + step``: SB3's own flattening of the rollout buffer.
+
+This module is the one reader of snapshots: :func:`load_snapshot`, :func:`load_snapshots`, :func:`snapshot_files`
+and :func:`as_snapshot` serve the API, the analysis functions and the report alike. Files are written atomically
+(temporary file in the same folder, then ``os.replace``), so a crash never leaves a corrupt snapshot behind.
+Loading never unpickles anything. Files named by the older scheme ``<prefix>_<num_timesteps>_steps.npz`` still
+load; order always comes from the ``round`` stored inside, never from the name.
 """
 
-import glob
 import json
 import os
 import platform
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,7 +39,7 @@ from gymnasium import spaces
 if TYPE_CHECKING:
     import pandas as pd
 
-    from sb3_influence.influence_ppo import InfluencePPO
+    from sb3_influence.common.round import InfluenceRound
 
 # Record fields of a snapshot -> the rollout buffer field they come from
 _BUFFER_FIELDS = {
@@ -61,7 +70,7 @@ class Snapshot:
 
     :param arrays: Every array of the file by key (``metadata`` as the raw 0-d JSON string array).
     :param metadata: The decoded ``metadata`` JSON.
-    :param path: The file it was read from.
+    :param path: The file it was read from (empty for a snapshot built from a dict of arrays).
     """
 
     arrays: dict[str, np.ndarray]
@@ -70,43 +79,112 @@ class Snapshot:
 
     @property
     def targets(self) -> list[str]:
-        """Names of the targets scored in this snapshot."""
-        return [key[len("influence/") :] for key in self.arrays if key.startswith("influence/")]
+        """Names of the targets scored in this snapshot, sorted."""
+        return sorted(key[len("influence/") :] for key in self.arrays if key.startswith("influence/"))
 
     @property
     def num_timesteps(self) -> int:
-        """``model.num_timesteps`` when the round was scored."""
-        return int(self.arrays["num_timesteps"])
+        """``model.num_timesteps`` when the round was scored (-1 if unknown)."""
+        return int(np.asarray(self.arrays.get("num_timesteps", -1)).reshape(-1)[0])
+
+    @property
+    def round(self) -> int:
+        """The round number (-1 if unknown)."""
+        return int(np.asarray(self.arrays.get("round", -1)).reshape(-1)[0])
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        """``(n_steps, n_envs)`` of the round's buffer."""
+        for key in ("keep", *(f"influence/{name}" for name in self.targets)):
+            if key in self.arrays:
+                shape = np.shape(self.arrays[key])
+                if len(shape) == 2:
+                    return int(shape[0]), int(shape[1])
+        raise ValueError(f"snapshot {self.path or '(arrays)'} has no (n_steps, n_envs) array ('keep' or 'influence/<target>')")
+
+    @property
+    def n_records(self) -> int:
+        """Number of records of the round."""
+        n_steps, n_envs = self.layout
+        return n_steps * n_envs
+
+    def flat(self, name: str) -> np.ndarray:
+        """
+        A per-record array in record-id order (``env · n_steps + step``), shape ``(n_records, ...)``.
+
+        :param name: The array's key (``influence/return``, ``advantage``, ``obs``...).
+        :return: The flattened array.
+        """
+        if name not in self.arrays:
+            raise KeyError(f"snapshot {self.path or '(arrays)'} has no array {name!r}; it holds {sorted(self.arrays)}")
+        values = np.asarray(self.arrays[name])
+        n_steps, n_envs = self.layout
+        if values.shape[:2] != (n_steps, n_envs):
+            raise ValueError(f"array {name!r} has shape {values.shape}, not the round's layout ({n_steps}, {n_envs}, ...)")
+        return values.swapaxes(0, 1).reshape(n_steps * n_envs, *values.shape[2:])
+
+    def influence_key(self, target: str | None = None) -> str:
+        """
+        The ``influence/<target>`` key to read, checking that it exists.
+
+        :param target: Target name; ``None`` picks ``"return"`` when present, else the only target.
+        :return: The key.
+        """
+        names = self.targets
+        if not names:
+            raise ValueError(
+                "snapshot holds no influence scores (no 'influence/<target>' key): was it written by AttributionCallback?"
+            )
+        if target is None:
+            target = "return" if "return" in names else names[0]
+        if target not in names:
+            raise ValueError(f"target {target!r} is not in this snapshot; it holds {names}. Pass one of these as `target`.")
+        return f"influence/{target}"
+
+    def scores(self, target: str | None = None) -> np.ndarray:
+        """
+        The influence scores on ``target`` in record-id order, float64.
+
+        :param target: Target name (see :meth:`influence_key`).
+        :return: Shape ``(n_records,)``.
+        """
+        return self.flat(self.influence_key(target)).astype(np.float64)
+
+    def observations(self) -> np.ndarray:
+        """
+        The observations as floats of shape ``(n_records, features)`` in record-id order (Dict observations:
+        concatenated in key order).
+
+        :return: 2-D float array.
+        """
+        if "obs" in self.arrays:
+            keys = ["obs"]
+        else:
+            keys = sorted(key for key in self.arrays if key.startswith("obs/"))
+            if not keys:
+                raise ValueError("snapshot holds no observations ('obs' or 'obs/<key>')")
+        return np.concatenate([self.flat(key).astype(np.float64).reshape(self.n_records, -1) for key in keys], axis=1)
 
 
-def snapshot_path(save_dir: str, name_prefix: str, num_timesteps: int) -> str:
+def snapshot_path(save_dir: str, name_prefix: str, round_index: int, num_timesteps: int) -> str:
     """
-    Where the snapshot of the round ending at ``num_timesteps`` goes.
+    Where the snapshot of a round goes; names sort in round order under ``ls``.
 
     :param save_dir: The snapshot folder.
     :param name_prefix: The file name prefix.
+    :param round_index: The round number.
     :param num_timesteps: ``model.num_timesteps`` at the end of the round's rollout.
-    :return: ``<save_dir>/<name_prefix>_<num_timesteps>_steps.npz``
+    :return: ``<save_dir>/<name_prefix>_round<round:06d>_<num_timesteps>_steps.npz``
     """
-    return os.path.join(save_dir, f"{name_prefix}_{num_timesteps}_steps.npz")
+    return os.path.join(save_dir, f"{name_prefix}_round{round_index:06d}_{num_timesteps}_steps.npz")
 
 
-def round_index(model: "InfluencePPO") -> int:
-    """
-    0-based index of the round whose rollout the model's buffer holds (``num_timesteps`` counts every round's
-    ``n_steps · n_envs`` transitions, so it survives ``learn(reset_num_timesteps=False)``).
-
-    :param model: The model.
-    :return: The round index.
-    """
-    return max(0, model.num_timesteps // (model.n_steps * model.n_envs) - 1)
-
-
-def record_arrays(model: "InfluencePPO") -> dict[str, np.ndarray]:
+def record_arrays(model: Any, round_: "InfluenceRound") -> dict[str, np.ndarray]:
     """
     The records of the model's current rollout buffer, each of shape ``(n_steps, n_envs, ...)``.
 
     :param model: An ``InfluencePPO`` with a full rollout buffer.
+    :param round_: The round the buffer belongs to.
     :return: ``obs`` (or ``obs/<key>``), ``action``, ``reward``, ``advantage``, ``training_advantage``, ``return``,
         ``value``, ``log_prob``, ``episode_start``, ``keep``, ``env``, ``step``, ``round``, ``num_timesteps``.
     """
@@ -132,7 +210,7 @@ def record_arrays(model: "InfluencePPO") -> dict[str, np.ndarray]:
     steps, envs = np.indices((buffer.buffer_size, buffer.n_envs))
     arrays["env"] = envs.astype(np.int64)
     arrays["step"] = steps.astype(np.int64)
-    arrays["round"] = np.array(round_index(model), dtype=np.int64)
+    arrays["round"] = np.array(round_.index, dtype=np.int64)
     arrays["num_timesteps"] = np.array(model.num_timesteps, dtype=np.int64)
     return arrays
 
@@ -161,7 +239,7 @@ def _running_stats(rms: Any) -> Any:
     return {"mean": _jsonable(rms.mean), "var": _jsonable(rms.var), "count": float(rms.count)}
 
 
-def vec_normalize_metadata(model: "InfluencePPO") -> dict[str, Any] | None:
+def vec_normalize_metadata(model: Any) -> dict[str, Any] | None:
     """
     The ``VecNormalize`` statistics of the model's env (``None`` if it is not normalised), enough to map the
     snapshot's normalised observations back to raw ones: ``raw = obs · sqrt(var + epsilon) + mean``.
@@ -184,7 +262,7 @@ def vec_normalize_metadata(model: "InfluencePPO") -> dict[str, Any] | None:
     }
 
 
-def _env_id(model: "InfluencePPO") -> str | None:
+def _env_id(model: Any) -> str | None:
     try:
         spec = model.get_env().get_attr("spec", indices=[0])[0]  # type: ignore[union-attr]
     except Exception:  # an env without the attribute, or a closed SubprocVecEnv
@@ -214,7 +292,7 @@ _HYPERPARAMETERS = (
 )
 
 
-def snapshot_metadata(model: "InfluencePPO", targets: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def snapshot_metadata(model: Any, targets: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """
     The ``metadata`` of a snapshot.
 
@@ -226,8 +304,6 @@ def snapshot_metadata(model: "InfluencePPO", targets: list[str], extra: dict[str
     import gymnasium
     import stable_baselines3
     import torch
-
-    import sb3_influence
 
     config = {name: _jsonable(getattr(model, name, None)) for name in _HYPERPARAMETERS}
     config["policy_class"] = _jsonable(type(model.policy))
@@ -243,7 +319,7 @@ def snapshot_metadata(model: "InfluencePPO", targets: list[str], extra: dict[str
         "observation_space": repr(model.observation_space),
         "action_space": repr(model.action_space),
         "versions": {
-            "sb3_influence": sb3_influence.__version__,
+            "sb3_influence": _package_version(),
             "stable_baselines3": stable_baselines3.__version__,
             "torch": torch.__version__,
             "numpy": np.__version__,
@@ -285,53 +361,113 @@ def save_snapshot(path: str, arrays: dict[str, np.ndarray], metadata: dict[str, 
     return path
 
 
-def load_snapshot(path: str) -> Snapshot:
+def _package_version() -> str:
+    try:
+        return importlib_metadata.version("sb3_influence")
+    except importlib_metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown"
+
+
+def load_snapshot(path: str | os.PathLike) -> Snapshot:
     """
     Read one snapshot file.
 
     :param path: A ``.npz`` file written by ``AttributionCallback``.
     :return: A :class:`Snapshot` with ``.arrays`` and ``.metadata``.
     """
+    path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"No snapshot file at {path!r}")
     with np.load(path, allow_pickle=False) as data:
         arrays = {key: data[key] for key in data.files}
     if "metadata" not in arrays or "keep" not in arrays:
         raise ValueError(f"{path!r} is not an attribution snapshot (no 'metadata' or 'keep' array)")
-    # The raw JSON stays in ``arrays`` too, for readers that take a dict of arrays (sb3_influence.analysis)
-    metadata = json.loads(str(arrays["metadata"]))
-    return Snapshot(arrays=arrays, metadata=metadata, path=path)
+    return Snapshot(arrays=arrays, metadata=_decode_metadata(arrays["metadata"]), path=path)
 
 
-def snapshot_files(path: str) -> list[str]:
+def _decode_metadata(raw: Any) -> dict[str, Any]:
+    try:
+        value = json.loads(str(np.asarray(raw).item()))
+    except (ValueError, TypeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def as_snapshot(snapshot: Any) -> Snapshot:
     """
-    The snapshot files at ``path`` (one file, or every ``.npz`` of a folder), sorted by ``num_timesteps``.
+    What users hand the analysis functions, as a :class:`Snapshot`.
+
+    :param snapshot: A path to a snapshot ``.npz``, a :class:`Snapshot`, or a dict of arrays.
+    :return: The snapshot.
+    """
+    if isinstance(snapshot, Snapshot):
+        return snapshot
+    if isinstance(snapshot, (str, os.PathLike)):
+        if not os.path.isfile(snapshot):
+            raise ValueError(f"snapshot: {os.fspath(snapshot)!r} is not a file; pass the path of one snapshot .npz")
+        return load_snapshot(snapshot)
+    if isinstance(snapshot, dict):
+        return Snapshot(arrays=snapshot, metadata=_decode_metadata(snapshot.get("metadata", "{}")))
+    raise TypeError(
+        f"snapshot must be a path to a snapshot .npz, the result of sb3_influence.load_snapshot or a dict of arrays, "
+        f"got {type(snapshot).__name__}"
+    )
+
+
+def _is_snapshot_name(path: Path) -> bool:
+    return path.suffix == ".npz" and not path.name.startswith(".tmp_")
+
+
+def snapshot_files(path: str | os.PathLike) -> list[str]:
+    """
+    The snapshot files at ``path`` (one file, or every ``.npz`` below a folder, searched recursively), sorted by
+    the ``round`` stored in each, then ``num_timesteps``, then path.
 
     :param path: A snapshot file or a folder of them.
     :return: The file paths.
     """
-    if os.path.isfile(path):
-        return [path]
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"No snapshot file or folder at {path!r}")
-    files = [file for file in glob.glob(os.path.join(path, "*.npz")) if not os.path.basename(file).startswith(".tmp_")]
+    root = Path(path)
+    if root.is_file():
+        return [str(root)]
+    if not root.is_dir():
+        raise FileNotFoundError(f"No snapshot file or folder at {str(root)!r}")
+    files = sorted(file for file in root.rglob("*.npz") if _is_snapshot_name(file))
     if not files:
-        raise FileNotFoundError(f"No snapshot (*.npz) in {path!r}: was AttributionCallback given save_dir={path!r}?")
+        raise FileNotFoundError(f"No snapshot (*.npz) in {str(root)!r}: was AttributionCallback given save_dir={str(root)!r}?")
 
-    def num_timesteps(file: str) -> int:
+    def order(file: Path) -> tuple[int, int, str]:
         with np.load(file, allow_pickle=False) as data:
-            return int(data["num_timesteps"])
+            round_ = int(data["round"]) if "round" in data.files else -1
+            steps = int(data["num_timesteps"]) if "num_timesteps" in data.files else -1
+        return (round_, steps, str(file))
 
-    return sorted(files, key=lambda file: (num_timesteps(file), file))
+    return [str(file) for file in sorted(files, key=order)]
 
 
-def _column(values: np.ndarray, n_records: int) -> Any:
-    """Flatten ``(n_steps, n_envs, ...)`` to record-id order; one scalar per row if the trailing size is 1."""
-    flat = values.swapaxes(0, 1).reshape(n_records, -1)
-    if flat.shape[1] == 1:
-        return flat[:, 0]
-    trailing = values.shape[2:]
-    return [row.reshape(trailing) for row in flat]
+def load_all(snapshots: Any) -> list[Snapshot]:
+    """
+    Several snapshots, in round order.
+
+    :param snapshots: A folder, a single file, a snapshot, or an iterable of anything :func:`as_snapshot` takes.
+    :return: The snapshots, sorted by ``(round, num_timesteps)``.
+    """
+    if isinstance(snapshots, (str, os.PathLike)):
+        return [load_snapshot(file) for file in snapshot_files(snapshots)]
+    if isinstance(snapshots, (dict, Snapshot)):
+        return [as_snapshot(snapshots)]
+    if not isinstance(snapshots, Iterable):
+        raise TypeError(f"snapshots must be a folder, a file or a list of snapshots, got {type(snapshots).__name__}")
+    loaded = [as_snapshot(snapshot) for snapshot in snapshots]
+    return sorted(loaded, key=lambda snapshot: (snapshot.round, snapshot.num_timesteps))
+
+
+def _column(values: np.ndarray) -> Any:
+    """One scalar per row when a record's value has a single element, else one array per row."""
+    if values.ndim == 1:
+        return values
+    if int(np.prod(values.shape[1:])) == 1:
+        return values.reshape(len(values))
+    return list(values)
 
 
 def snapshot_frame(snapshot: Snapshot) -> "pd.DataFrame":
@@ -343,24 +479,23 @@ def snapshot_frame(snapshot: Snapshot) -> "pd.DataFrame":
     """
     import pandas as pd
 
-    arrays = snapshot.arrays
-    n_steps, n_envs = arrays["keep"].shape
-    n_records = n_steps * n_envs
+    n_steps, _ = snapshot.layout
+    n_records = snapshot.n_records
     columns: dict[str, Any] = {
-        "round": np.full(n_records, int(arrays["round"]), dtype=np.int64),
-        "num_timesteps": np.full(n_records, int(arrays["num_timesteps"]), dtype=np.int64),
-        "env": _column(arrays["env"], n_records),
-        "step": _column(arrays["step"], n_records),
+        "round": np.full(n_records, snapshot.round, dtype=np.int64),
+        "num_timesteps": np.full(n_records, snapshot.num_timesteps, dtype=np.int64),
+        "env": snapshot.flat("env"),
+        "step": snapshot.flat("step"),
     }
     columns["record_id"] = columns["env"] * n_steps + columns["step"]
     for name in _COLUMNS:
-        columns[name] = _column(arrays[name], n_records)
+        columns[name] = _column(snapshot.flat(name))
     for target in snapshot.targets:
-        columns[f"influence_{target}"] = _column(arrays[f"influence/{target}"], n_records)
-    columns["action"] = _column(arrays["action"], n_records)
-    for key in arrays:
+        columns[f"influence_{target}"] = snapshot.flat(f"influence/{target}")
+    columns["action"] = _column(snapshot.flat("action"))
+    for key in snapshot.arrays:
         if key == "obs" or key.startswith("obs/"):
-            columns[key] = _column(arrays[key], n_records)
+            columns[key] = _column(snapshot.flat(key))
     return pd.DataFrame(columns)
 
 
@@ -373,12 +508,12 @@ def load_snapshots(path: str) -> "pd.DataFrame":
     observations): scalars when a record's value has a single element, else object columns holding arrays.
     ``df.attrs["metadata"]`` lists each file's metadata, in file order.
 
-    :param path: A snapshot file or a folder of them (sorted by ``num_timesteps``).
+    :param path: A snapshot file or a folder of them (in round order).
     :return: The DataFrame.
     """
     import pandas as pd
 
-    snapshots = [load_snapshot(file) for file in snapshot_files(path)]
+    snapshots = load_all(path)
     frame = pd.concat([snapshot_frame(snapshot) for snapshot in snapshots], ignore_index=True)
     frame.attrs["metadata"] = [snapshot.metadata for snapshot in snapshots]
     return frame

@@ -1,5 +1,6 @@
 """
-Targets: the quantity f(θ) whose change an influence score measures (METHOD §2).
+Targets: the quantity f(θ) whose change an influence score measures (the paper's Sec. 3 defines two: the return
+surrogate and the log-probability of chosen actions).
 
 Like kronfluence's ``Task``, the training loss of a record is fixed (the PPO surrogate at the behaviour policy,
 ``ℓ_i = −Â_i log π(a_i|s_i)``) and the *measurement* is pluggable. A target is any object with a ``name`` and a
@@ -17,14 +18,22 @@ engine then computes ``∇f`` and the scores from a single forward pass. ``terms
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch as th
 from gymnasium import spaces
 
-if TYPE_CHECKING:
-    from sb3_influence.common.influence import InfluenceEngine
+
+class ScoringEngine(Protocol):
+    """What a target may use of the scoring engine (``sb3_influence.common.scoring.engine.InfluenceEngine``)."""
+
+    policy: Any
+    buffer: Any
+
+    def log_prob(self, observations: Any, actions: Any) -> th.Tensor: ...
+
+    def buffer_batches(self, batch_size: int, ids: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, Any, th.Tensor, th.Tensor]]: ...
 
 
 @runtime_checkable
@@ -37,7 +46,7 @@ class Target(Protocol):
 
     name: str
 
-    def terms(self, engine: "InfluenceEngine", batch_size: int) -> Iterable[th.Tensor]:
+    def terms(self, engine: ScoringEngine, batch_size: int) -> Iterable[th.Tensor]:
         """
         Yield scalar tensors whose sum is f(θ).
 
@@ -51,7 +60,7 @@ class Target(Protocol):
 @dataclass
 class ReturnTarget:
     """
-    Return surrogate over the current rollout buffer (METHOD §2, what IIF uses):
+    Return surrogate over the current rollout buffer (the paper's Sec. 3; what IIF uses):
     ``f_return(θ) = (1/n) Σ_j A_j log π_θ(a_j|s_j)`` with raw (un-normalised) GAE advantages.
     Records with a positive score help the agent's return, negative ones hurt it.
     """
@@ -62,12 +71,12 @@ class ReturnTarget:
         # Every ReturnTarget with the same name is the same objective: hashable, so scores can be cached
         return hash((type(self), self.name))
 
-    def terms(self, engine: "InfluenceEngine", batch_size: int) -> Iterator[th.Tensor]:
+    def terms(self, engine: ScoringEngine, batch_size: int) -> Iterator[th.Tensor]:
         n_records = engine.buffer.n_records
         for _, observations, actions, advantages in engine.buffer_batches(batch_size):
             yield (advantages * engine.log_prob(observations, actions)).sum() / n_records
 
-    def buffer_weights(self, engine: "InfluenceEngine") -> np.ndarray:
+    def buffer_weights(self, engine: ScoringEngine) -> np.ndarray:
         """``w_j = A_j / n``: f is ``Σ_j w_j log π(a_j|s_j)`` over the buffer's records (lets the engine fuse passes)."""
         return engine.buffer.flat_field("advantages").astype(np.float64) / engine.buffer.n_records
 
@@ -75,7 +84,7 @@ class ReturnTarget:
 @dataclass(eq=False)
 class ActionTarget:
     """
-    Behaviour target: ``f_action(θ) = mean over the given pairs (s, a) of log π_θ(a|s)`` (METHOD §2).
+    Behaviour target: ``f_action(θ) = mean over the given pairs (s, a) of log π_θ(a|s)`` (the paper's Sec. 3).
     Positive influence means the record makes these actions more likely in these states.
 
     :param observations: The states, shape ``(m, *obs_shape)`` (a dict of such arrays for Dict observation
@@ -89,7 +98,7 @@ class ActionTarget:
     actions: Any
     name: str = "action"
 
-    def _validated(self, engine: "InfluenceEngine") -> tuple[Any, np.ndarray]:
+    def _validated(self, engine: ScoringEngine) -> tuple[Any, np.ndarray]:
         observation_space = engine.policy.observation_space
         action_space = engine.policy.action_space
         obs: Any
@@ -129,7 +138,7 @@ class ActionTarget:
             raise ValueError("ActionTarget: give at least one (observation, action) pair")
         return obs, actions
 
-    def terms(self, engine: "InfluenceEngine", batch_size: int) -> Iterator[th.Tensor]:
+    def terms(self, engine: ScoringEngine, batch_size: int) -> Iterator[th.Tensor]:
         obs, actions = self._validated(engine)
         n_pairs = len(actions)
         for start in range(0, n_pairs, batch_size):
