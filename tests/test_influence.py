@@ -241,7 +241,9 @@ def test_multi_checkpoint_sums_over_the_round_steps():
     snapshots = []
     reference_model = copy.deepcopy(model)
     # The update's own per-step hook gives the minibatch; the parameters are copied before the optimizer moves them
-    model.update(step_hooks=[lambda info: snapshots.append((copy.deepcopy(model.policy.state_dict()), info.record_ids.copy()))])
+    model.update(
+        step_hooks=[lambda info: snapshots.append((copy.deepcopy(model.policy.state_dict()), info.record_ids.copy()))]
+    )
     assert len(snapshots) == 6  # 48 records / 16, two epochs
 
     expected = np.zeros_like(scores)

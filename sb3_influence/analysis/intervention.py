@@ -56,13 +56,19 @@ def drop_mask(scores: np.ndarray, arm: str, fraction: float = 0.05, rng: np.rand
     """
     if arm not in _ARM_RULES:
         raise ValueError(f"arm must be one of {ARMS} or a boolean drop mask, got {arm!r}")
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.integer, np.floating)) or not 0.0 <= fraction <= 1.0:
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float, np.integer, np.floating))
+        or not 0.0 <= fraction <= 1.0
+    ):
         raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
     scores = np.asarray(scores, dtype=np.float64)
     # Rules see records by record id (env-major), as everywhere else in the package
     flat = scores.swapaxes(0, 1).reshape(-1) if scores.ndim == 2 else scores.reshape(-1)
     rule, uses_fraction = _ARM_RULES[arm]
-    drop = get_drop_rule(rule)(flat, float(fraction) if uses_fraction else 1.0, np.random.default_rng(0) if rng is None else rng)
+    drop = get_drop_rule(rule)(
+        flat, float(fraction) if uses_fraction else 1.0, np.random.default_rng(0) if rng is None else rng
+    )
     if scores.ndim == 2:
         return drop.reshape(scores.shape[1], scores.shape[0]).swapaxes(0, 1)
     return drop.reshape(scores.shape)

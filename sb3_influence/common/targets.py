@@ -33,7 +33,9 @@ class ScoringEngine(Protocol):
 
     def log_prob(self, observations: Any, actions: Any) -> th.Tensor: ...
 
-    def buffer_batches(self, batch_size: int, ids: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, Any, th.Tensor, th.Tensor]]: ...
+    def buffer_batches(
+        self, batch_size: int, ids: np.ndarray | None = None
+    ) -> Iterator[tuple[np.ndarray, Any, th.Tensor, th.Tensor]]: ...
 
 
 @runtime_checkable

@@ -179,7 +179,9 @@ class InfluencePPO(PPO):
         tb_log_name: str = "run",
         progress_bar: bool = False,
     ) -> tuple[int, BaseCallback]:
-        total_timesteps, callback = super()._setup_learn(total_timesteps, callback, reset_num_timesteps, tb_log_name, progress_bar)
+        total_timesteps, callback = super()._setup_learn(
+            total_timesteps, callback, reset_num_timesteps, tb_log_name, progress_bar
+        )
         # This learn() call's round participants: the influence callbacks of its callback list, in the order given
         self._participants = tuple(_round_participants(callback))
         return total_timesteps, callback
@@ -206,7 +208,9 @@ class InfluencePPO(PPO):
             # Participants belong to one learn() call, even one that raised
             self._participants = ()
 
-    def collect_rollouts(self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int) -> bool:
+    def collect_rollouts(
+        self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int
+    ) -> bool:
         """Collect a rollout as ``PPO`` does, then run the round (scores, filters, observers) before the update."""
         if not super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps):
             return False
@@ -275,7 +279,9 @@ class InfluencePPO(PPO):
         keep = self.rollout_buffer.keep
         drop = np.asarray(drop)
         if drop.dtype != bool or drop.shape != keep.shape:
-            raise ValueError(f"drop must be a boolean array of shape (n_steps, n_envs) = {keep.shape}, got {drop.dtype} {drop.shape}")
+            raise ValueError(
+                f"drop must be a boolean array of shape (n_steps, n_envs) = {keep.shape}, got {drop.dtype} {drop.shape}"
+            )
         newly = int(np.count_nonzero(keep & drop))
         keep &= ~drop
         round_.drops.append((source, drop.copy()))
@@ -461,7 +467,9 @@ class InfluencePPO(PPO):
                     values_pred = values
                 else:
                     # Clip the difference between old and new value (depends on the reward scaling)
-                    values_pred = rollout_data.old_values + th.clamp(values - rollout_data.old_values, -clip_range_vf, clip_range_vf)
+                    values_pred = rollout_data.old_values + th.clamp(
+                        values - rollout_data.old_values, -clip_range_vf, clip_range_vf
+                    )
                 # Value loss using the TD(gae_lambda) target
                 value_loss = F.mse_loss(rollout_data.returns, values_pred)
                 value_losses.append(value_loss.item())
@@ -489,7 +497,16 @@ class InfluencePPO(PPO):
                 total_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
                 if step_hooks:
                     info = _step_info(
-                        epoch, step, record_ids, rollout_data, advantages, ratio, clip_range, total_norm, self.max_grad_norm, optimizer
+                        epoch,
+                        step,
+                        record_ids,
+                        rollout_data,
+                        advantages,
+                        ratio,
+                        clip_range,
+                        total_norm,
+                        self.max_grad_norm,
+                        optimizer,
                     )
                     for hook in step_hooks:
                         hook(info)
