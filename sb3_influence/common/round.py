@@ -59,6 +59,35 @@ class StepInfo:
     clip_coef: float
     optimizer: th.optim.Optimizer
 
+    @classmethod
+    def from_loss(
+        cls,
+        epoch: int,
+        step: int,
+        record_ids: np.ndarray,
+        samples: Any,
+        advantages: th.Tensor,
+        ratio: th.Tensor,
+        clip_range: float,
+        total_norm: th.Tensor,
+        max_grad_norm: float,
+        optimizer: th.optim.Optimizer,
+    ) -> "StepInfo":
+        """
+        The step's info from the quantities of the clipped surrogate loss.
+
+        :param clip_range: The ratio clip ε (``inf`` for an unclipped loss such as A2C's).
+        :param total_norm: The gradient norm ``clip_grad_norm_`` returned.
+        :param max_grad_norm: Its ``max_norm``.
+        """
+        advantages = advantages.detach()
+        ratio = ratio.detach()
+        # min(A·r, A·clip(r)) takes the clipped branch, whose gradient is zero, above 1+ε for A > 0, below 1−ε for A < 0
+        clipped = ((advantages > 0) & (ratio > 1 + clip_range)) | ((advantages < 0) & (ratio < 1 - clip_range))
+        # torch.nn.utils.clip_grad_norm_ scales by max_norm / (norm + 1e-6), capped at 1
+        clip_coef = min(1.0, max_grad_norm / (float(total_norm) + 1e-6))
+        return cls(epoch, step, np.asarray(record_ids), samples, advantages, ratio, clipped, clip_coef, optimizer)
+
 
 class StepHook(Protocol):
     """A per-optimiser-step subscriber of the update: ``hook(info)``; it must not change parameters or ``.grad``."""

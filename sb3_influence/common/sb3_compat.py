@@ -59,12 +59,12 @@ def buffer_samples(buffer: RolloutBuffer | DictRolloutBuffer, ids: Any) -> Any:
     return buffer._get_samples(ids)
 
 
-def model_logger(model: BaseAlgorithm) -> Logger | None:
+def model_logger(model: Any) -> Logger | None:
     """The model's logger if one was set (``None`` before the first ``learn()``)."""
     return model.__dict__.get("_logger")
 
 
-def set_model_logger(model: BaseAlgorithm, logger: Logger | None) -> None:
+def set_model_logger(model: Any, logger: Logger | None) -> None:
     """Set (or with ``None``, remove) the model's logger."""
     if logger is None:
         model.__dict__.pop("_logger", None)
@@ -72,6 +72,6 @@ def set_model_logger(model: BaseAlgorithm, logger: Logger | None) -> None:
         model._logger = logger
 
 
-def update_progress_remaining(model: BaseAlgorithm) -> None:
+def update_progress_remaining(model: Any) -> None:
     """Recompute the progress remaining from ``num_timesteps``, as ``learn()`` does after each rollout."""
     model._update_current_progress_remaining(model.num_timesteps, model._total_timesteps)
