@@ -27,6 +27,7 @@ from sb3_influence.common.buffers import InfluenceDictRolloutBuffer, InfluenceRo
 from sb3_influence.common.round import CHECKPOINTS, InfluenceRound, RoundParticipant, ScoreRequest, StepHook
 from sb3_influence.common.scoring import ENGINE_MODES, InfluenceEngine, LayerScorer
 from sb3_influence.common.scoring.multi import MultiCheckpointScorer
+from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
 from sb3_influence.common.state import TrainingState, training_state
 from sb3_influence.common.targets import Target, as_target
 
@@ -203,7 +204,11 @@ class InfluenceAlgorithm:
         round_.participants_done = True
         for participant in self._participants:
             for request in participant.score_requests(round_):
-                self._score_request(request, round_)
+                if request.in_run:
+                    if all(request.key != other.key for other in round_.in_run):
+                        round_.in_run.append(request)
+                else:
+                    self._score_request(request, round_)
         for participant in self._participants:
             if participant.round_role == "filter":
                 participant.on_round(round_)
@@ -277,7 +282,9 @@ class InfluenceAlgorithm:
         target: str | Target = "return",
         batch_size: int | None = None,
         cache: bool = False,
-        checkpoints: str = "single",
+        checkpoints: str | None = None,
+        optimizer_aware: bool = False,
+        target_gradient: str = "fixed",
     ) -> np.ndarray:
         """
         Influence of every record of the round the buffer holds on ``target``:
@@ -297,7 +304,14 @@ class InfluenceAlgorithm:
             (Sec. 3.1, TracIn-style): the sum over every optimiser step j of the round's update whose minibatch
             holds record i of ``−⟨∇ℓ_i(θ_j), ∇f(θ_j)⟩``, with Â_i normalised in that minibatch. It replays the
             update from θ(k) with the kept records (same minibatches, same RNG) and restores the training state
-            afterwards. About as costly as ``train()`` plus one target gradient per optimiser step.
+            afterwards. About as costly as ``train()`` plus one target gradient per optimiser step. Default:
+            ``"multi"`` when ``optimizer_aware``, else ``"single"``.
+        :param optimizer_aware: Score each record through the optimiser that actually ran: its actual PPO loss
+            gradient at every step (ratio, clip mask, value and entropy terms), the gradient-norm clip and the
+            optimizer's update map (Adam/AdamW with bias correction and momentum, SGD with momentum, RMSprop); see
+            :mod:`sb3_influence.common.scoring.optimizer_aware`. Replays the update like ``"multi"``.
+        :param target_gradient: With ``optimizer_aware``: ``"fixed"`` (∇f at θ(k), one target gradient) or
+            ``"step"`` (∇f at every θ_j).
         :return: Float64 array of shape ``(n_steps, n_envs)``; ``[step, env]`` is the record at that position.
         """
         if self.rollout_buffer is None or not self.rollout_buffer.full:
@@ -309,9 +323,16 @@ class InfluenceAlgorithm:
             batch_size = self.influence_batch_size
         elif isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (records per scoring chunk), got {batch_size!r}")
+        if checkpoints is None:
+            checkpoints = "multi" if optimizer_aware else "single"
         if checkpoints not in CHECKPOINTS:
             raise ValueError(f"checkpoints must be one of {CHECKPOINTS}, got {checkpoints!r}")
-        request = ScoreRequest(as_target(target), checkpoints)
+        if target_gradient not in ("fixed", "step"):
+            raise ValueError(f"target_gradient must be 'fixed' or 'step', got {target_gradient!r}")
+        request = ScoreRequest(as_target(target), checkpoints, optimizer_aware=bool(optimizer_aware))
+        if target_gradient == "step":
+            # Not cached with the fixed-gradient scores: a different quantity
+            return self._compute(request, self.current_round(), int(batch_size), target_gradient)
         round_ = self.current_round()
         if cache and request.key in round_.scores:
             return round_.scores[request.key].copy()
@@ -326,7 +347,9 @@ class InfluenceAlgorithm:
             round_.scores[request.key] = self._compute(request, round_, self.influence_batch_size)
         return round_.scores[request.key]
 
-    def _compute(self, request: ScoreRequest, round_: InfluenceRound, batch_size: int) -> np.ndarray:
+    def _compute(
+        self, request: ScoreRequest, round_: InfluenceRound, batch_size: int, target_gradient: str = "fixed"
+    ) -> np.ndarray:
         moved = sb3_compat.n_updates(self) != round_.start_state.n_updates
         if request.checkpoints == "single" and not moved:
             flat = self._influence_engine.influence(request.target, self._flat_training_advantages(round_), batch_size)
@@ -338,28 +361,42 @@ class InfluenceAlgorithm:
             if request.checkpoints == "single":
                 flat = self._influence_engine.influence(request.target, self._flat_training_advantages(round_), batch_size)
             else:
-                scorer = MultiCheckpointScorer(self._influence_engine, request.target, batch_size)
-                self.update(step_hooks=[scorer])
+                scorer = self._multi_step_scorer(request, batch_size, target_gradient)
+                if self.rollout_buffer.flat_keep.any():
+                    self.update(step_hooks=[scorer])
                 flat = scorer.scores
         return self.rollout_buffer.to_records(flat)
+
+    def _multi_step_scorer(
+        self, request: ScoreRequest, batch_size: int, target_gradient: str = "fixed"
+    ) -> MultiCheckpointScorer | OptimizerAwareScorer:
+        if request.optimizer_aware:
+            return OptimizerAwareScorer(self, request.target, batch_size, target_gradient=target_gradient)
+        return MultiCheckpointScorer(self._influence_engine, request.target, batch_size)
 
     # ------------------------------------------------------------------ training
     def train(self) -> None:
         """
         The round's update: run the round if nothing ran it yet (scores, filters, observers), then
-        :meth:`update` on the kept records. With every record dropped the update is skipped with a warning.
+        :meth:`update` on the kept records, scoring the round's in-run requests on the way, then the
+        participants' ``after_update``. With every record dropped the update is skipped with a warning.
         """
-        self.run_round()
+        round_ = self.run_round()
         n_kept = int(self.rollout_buffer.flat_keep.sum())
         self.logger.record("train/n_kept_records", n_kept)
+        scorers = [self._multi_step_scorer(request, self.influence_batch_size) for request in round_.in_run]
         if n_kept == 0:
             warnings.warn(
                 "Every record of this rollout was dropped (rollout_buffer.keep is all False): skipping this PPO "
                 "update. Drop fewer records (e.g. a smaller IIFCallback fraction) to keep learning.",
                 UserWarning,
             )
-            return
-        self.update()
+        else:
+            self.update(step_hooks=scorers)
+        for request, scorer in zip(round_.in_run, scorers, strict=True):
+            round_.scores.setdefault(request.key, self.rollout_buffer.to_records(scorer.scores))
+        for participant in self._participants:
+            participant.after_update(round_)
 
     def update(self, step_hooks: Sequence[StepHook] = ()) -> None:
         """
