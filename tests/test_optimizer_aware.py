@@ -122,8 +122,14 @@ def by_hand_update_map(optimizer, grads, v, steps_left):
                 g = g + group["weight_decay"] * p.detach()  # Adam's L2 penalty is part of the gradient
             s = int(state.get("step", 0)) + 1
             sq = state.get("exp_avg_sq", th.zeros_like(p)) * b2 + (1 - b2) * g**2
+            m_hat = (state.get("exp_avg", th.zeros_like(p)) * b1 + (1 - b1) * g) / (1 - b1**s)
+            root = (sq / (1 - b2**s)).sqrt()
             k = (1 - b1) * sum(b1**t / (1 - b1 ** (s + t)) for t in range(steps_left))
-            out[p] = group["lr"] * k * direction / ((sq / (1 - b2**s)).sqrt() + group["eps"])
+            k2 = (1 - b2) * sum(b2**t / (1 - b2 ** (s + t)) for t in range(steps_left))
+            # d/dg of −lr·m̂/(√v̂+ε) through m̂ (momentum) and through v̂ (second moment), held over the look-ahead
+            out[p] = (
+                group["lr"] * (k / (root + group["eps"]) - k2 * m_hat * g / (root * (root + group["eps"]) ** 2)) * direction
+            )
     return out
 
 

@@ -354,18 +354,30 @@ class InfluenceAlgorithm:
         if request.checkpoints == "single" and not moved:
             flat = self._influence_engine.influence(request.target, self._flat_training_advantages(round_), batch_size)
             return self.rollout_buffer.to_records(flat)
+        if request.checkpoints == "single":
+            with training_state(self):
+                # From θ(k), whatever happened since; everything is put back afterwards
+                round_.start_state.restore(self, keep=False)
+                flat = self._influence_engine.influence(request.target, self._flat_training_advantages(round_), batch_size)
+            return self.rollout_buffer.to_records(flat)
+        scorer = self._multi_step_scorer(request, batch_size, target_gradient)
+        self.replay_update([scorer])
+        return self.rollout_buffer.to_records(scorer.scores)
+
+    def replay_update(self, step_hooks: Sequence[StepHook]) -> None:
+        """
+        Run the current round's update again from θ(k) (the round's captured training state: parameters,
+        optimizer, RNG) on the kept records, with ``step_hooks``; then put the model's training state back as it
+        was. Multi-checkpoint and optimizer-aware scores use it when they are needed before (or without) the update.
+
+        :param step_hooks: Per-optimiser-step subscribers.
+        """
+        round_ = self.current_round()
         with training_state(self):
-            # From θ(k), whatever happened since; everything is put back afterwards
             round_.start_state.restore(self, keep=False)
             sb3_compat.set_model_logger(self, Logger(folder=None, output_formats=[]))
-            if request.checkpoints == "single":
-                flat = self._influence_engine.influence(request.target, self._flat_training_advantages(round_), batch_size)
-            else:
-                scorer = self._multi_step_scorer(request, batch_size, target_gradient)
-                if self.rollout_buffer.flat_keep.any():
-                    self.update(step_hooks=[scorer])
-                flat = scorer.scores
-        return self.rollout_buffer.to_records(flat)
+            if self.rollout_buffer.flat_keep.any():
+                self.update(step_hooks=step_hooks)
 
     def _multi_step_scorer(
         self, request: ScoreRequest, batch_size: int, target_gradient: str = "fixed"

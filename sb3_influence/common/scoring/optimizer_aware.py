@@ -59,7 +59,7 @@ def check_optimizer(optimizer: th.optim.Optimizer) -> None:
 
 
 def update_map(
-    optimizer: th.optim.Optimizer, v: dict[nn.Parameter, th.Tensor], steps_left: int
+    optimizer: th.optim.Optimizer, v: dict[nn.Parameter, th.Tensor], steps_left: int, second_moment: bool = True
 ) -> dict[nn.Parameter, th.Tensor]:
     """
     ``M_jᵀ v`` for the optimiser step about to be taken (called after ``backward()`` and clipping, before
@@ -70,6 +70,8 @@ def update_map(
     :param optimizer: The optimizer (its hyperparameters, its state before this step, and ``p.grad`` of this step).
     :param v: Direction per parameter (the target gradient).
     :param steps_left: Steps of the round from this one on (≥ 1).
+    :param second_moment: Adam/AdamW: include the gradient's effect through the second-moment estimate v̂ (the
+        denominator), not only through the momentum.
     :return: ``M_jᵀ v`` per parameter of ``v`` that the optimizer updates.
     """
     check_optimizer(optimizer)
@@ -92,10 +94,20 @@ def update_map(
                 exp_avg_sq = state.get("exp_avg_sq", th.zeros_like(param)) * beta2 + (1 - beta2) * grad * grad
                 if group.get("amsgrad", False) and "max_exp_avg_sq" in state:
                     exp_avg_sq = th.maximum(state["max_exp_avg_sq"], exp_avg_sq)
-                denominator = (exp_avg_sq / (1 - beta2**step)).sqrt() + group["eps"]
+                root = (exp_avg_sq / (1 - beta2**step)).sqrt()
+                denominator = root + group["eps"]
                 # Bias-corrected momentum spreads this step's gradient over the rest of the round
                 spread = (1 - beta1) * sum(beta1**t / (1 - beta1 ** (step + t)) for t in range(steps_left))
-                out[param] = lr * spread * v[param] / denominator
+                direction = lr * spread * v[param] / denominator
+                if second_moment:
+                    # The gradient also enters v̂, the denominator of this and the later steps:
+                    # ∂(m̂/(√v̂+ε))/∂v̂ = −m̂ / (2√v̂ (√v̂+ε)²), ∂v̂_t/∂g_j = 2(1−β2)β2^(t−j) g_j / (1−β2^s_t)
+                    exp_avg = state.get("exp_avg", th.zeros_like(param)) * beta1 + (1 - beta1) * grad
+                    m_hat = exp_avg / (1 - beta1**step)
+                    spread_v = (1 - beta2) * sum(beta2**t / (1 - beta2 ** (step + t)) for t in range(steps_left))
+                    safe_root = th.where(root > 0, root, th.ones_like(root))
+                    direction = direction - lr * spread_v * m_hat * grad * v[param] / (safe_root * denominator**2)
+                out[param] = direction
             elif isinstance(optimizer, th.optim.SGD):
                 momentum, dampening = float(group["momentum"]), float(group["dampening"])
                 if momentum == 0:
@@ -130,10 +142,13 @@ class OptimizerAwareScorer:
     :param batch_size: Records per chunk for target gradients.
     :param target_gradient: ``"fixed"``: ``v = ∇f(θ(k))`` for every step (cheap: one target gradient per round);
         ``"step"``: ``v = ∇f(θ_j)`` recomputed at every step (one target gradient per step).
+    :param second_moment: Adam/AdamW: include the record's effect through the second-moment estimate.
     :ivar scores: Accumulated scores, flat by record id.
     """
 
-    def __init__(self, model: Any, target: Target, batch_size: int, target_gradient: str = "fixed"):
+    def __init__(
+        self, model: Any, target: Target, batch_size: int, target_gradient: str = "fixed", second_moment: bool = True
+    ):
         if target_gradient not in ("fixed", "step"):
             raise ValueError(f"target_gradient must be 'fixed' or 'step', got {target_gradient!r}")
         check_optimizer(model.policy.optimizer)
@@ -142,6 +157,7 @@ class OptimizerAwareScorer:
         self.target = target
         self.batch_size = batch_size
         self.target_gradient = target_gradient
+        self.second_moment = second_moment
         self.scores = np.zeros(self.engine.buffer.n_records, dtype=np.float64)
         self._v: dict[str, th.Tensor] | None = None
         self._calls: list[list[Any]] = []
@@ -194,7 +210,9 @@ class OptimizerAwareScorer:
         v = self._target_gradient()
         if not v:
             return
-        direction = update_map(info.optimizer, {named[name]: value for name, value in v.items()}, info.total_steps - info.step)
+        direction = update_map(
+            info.optimizer, {named[name]: value for name, value in v.items()}, info.total_steps - info.step, self.second_moment
+        )
         if info.clip_coef < 1.0:
             # The clipped step has a fixed norm: only the part of a record's gradient orthogonal to ĝ moves it
             grads = [p.grad for p in self.model.policy.parameters() if p.grad is not None]
