@@ -11,6 +11,7 @@ nothing had happened. The arms use the drop rules of :mod:`sb3_influence.common.
 """
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,13 +34,15 @@ if TYPE_CHECKING:
 ARMS = ("negatives", "bottom", "top", "random", "random_negatives")
 
 # Arm -> (drop rule of sb3_influence.common.filters, whether the arm's `fraction` applies; else the rule gets 1)
-_ARM_RULES = {
-    "negatives": ("neg", False),
-    "bottom": ("bottom", True),
-    "top": ("top", True),
-    "random": ("random", False),
-    "random_negatives": ("uniform", True),
-}
+_ARM_RULES = MappingProxyType(
+    {
+        "negatives": ("neg", False),
+        "bottom": ("bottom", True),
+        "top": ("top", True),
+        "random": ("random", False),
+        "random_negatives": ("uniform", True),
+    }
+)
 
 
 def drop_mask(scores: np.ndarray, arm: str, fraction: float = 0.05, rng: np.random.Generator | None = None) -> np.ndarray:

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,14 +43,16 @@ if TYPE_CHECKING:
     from sb3_influence.common.round import InfluenceRound
 
 # Record fields of a snapshot -> the rollout buffer field they come from
-_BUFFER_FIELDS = {
-    "reward": "rewards",
-    "advantage": "advantages",
-    "return": "returns",
-    "value": "values",
-    "log_prob": "log_probs",
-    "episode_start": "episode_starts",
-}
+_BUFFER_FIELDS = MappingProxyType(
+    {
+        "reward": "rewards",
+        "advantage": "advantages",
+        "return": "returns",
+        "value": "values",
+        "log_prob": "log_probs",
+        "episode_start": "episode_starts",
+    }
+)
 # Scalar columns of ``load_snapshots``, in order (influence, action and obs columns follow)
 _COLUMNS = (
     "reward",
