@@ -13,7 +13,8 @@ LAYERS = [
     ["common.sb3_compat", "common.targets", "common.extractors"],
     ["common.buffers", "common.state", "common.scoring.layers"],
     ["common.round", "common.scoring.engine"],
-    ["common.scoring.multi", "common.scoring.optimizer_aware", "common.scoring", "common.filters", "common.snapshots"],
+    ["common.scoring.multi", "common.scoring.optimizer_aware", "common.filters", "common.snapshots"],
+    ["common.scoring.unrolled", "common.scoring"],
     ["common.callbacks", "common.algorithm"],
 ]
 
@@ -33,7 +34,8 @@ def _imports(path: pathlib.Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sb3_influence."):
             names.add(node.module[len("sb3_influence.") :])
         elif isinstance(node, ast.Import):
-            names.update(alias.name[len("sb3_influence.") :] for alias in node.names if alias.name.startswith("sb3_influence."))
+            prefix = "sb3_influence."
+            names.update(alias.name[len(prefix) :] for alias in node.names if alias.name.startswith(prefix))
     return names
 
 

@@ -28,6 +28,7 @@ from sb3_influence.common.round import CHECKPOINTS, InfluenceRound, RoundPartici
 from sb3_influence.common.scoring import ENGINE_MODES, InfluenceEngine, LayerScorer
 from sb3_influence.common.scoring.multi import MultiCheckpointScorer
 from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
+from sb3_influence.common.scoring.unrolled import unrolled_influence
 from sb3_influence.common.state import TrainingState, training_state
 from sb3_influence.common.targets import Target, as_target
 
@@ -283,7 +284,7 @@ class InfluenceAlgorithm:
         batch_size: int | None = None,
         cache: bool = False,
         checkpoints: str | None = None,
-        optimizer_aware: bool = False,
+        optimizer_aware: bool | str = False,
         target_gradient: str = "fixed",
     ) -> np.ndarray:
         """
@@ -310,6 +311,9 @@ class InfluenceAlgorithm:
             gradient at every step (ratio, clip mask, value and entropy terms), the gradient-norm clip and the
             optimizer's update map (Adam/AdamW with bias correction and momentum, SGD with momentum, RMSprop); see
             :mod:`sb3_influence.common.scoring.optimizer_aware`. Replays the update like ``"multi"``.
+            ``"unrolled"``: differentiate the whole update instead (a hypergradient: curvature between steps
+            included, the most faithful under Adam, about 5x the update's cost; see
+            :mod:`sb3_influence.common.scoring.unrolled`).
         :param target_gradient: With ``optimizer_aware``: ``"fixed"`` (∇f at θ(k), one target gradient) or
             ``"step"`` (∇f at every θ_j).
         :return: Float64 array of shape ``(n_steps, n_envs)``; ``[step, env]`` is the record at that position.
@@ -329,7 +333,9 @@ class InfluenceAlgorithm:
             raise ValueError(f"checkpoints must be one of {CHECKPOINTS}, got {checkpoints!r}")
         if target_gradient not in ("fixed", "step"):
             raise ValueError(f"target_gradient must be 'fixed' or 'step', got {target_gradient!r}")
-        request = ScoreRequest(as_target(target), checkpoints, optimizer_aware=bool(optimizer_aware))
+        if optimizer_aware not in (False, True, "unrolled"):
+            raise ValueError(f"optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}")
+        request = ScoreRequest(as_target(target), checkpoints, optimizer_aware=optimizer_aware)
         if target_gradient == "step":
             # Not cached with the fixed-gradient scores: a different quantity
             return self._compute(request, self.current_round(), int(batch_size), target_gradient)
@@ -360,6 +366,8 @@ class InfluenceAlgorithm:
                 round_.start_state.restore(self, keep=False)
                 flat = self._influence_engine.influence(request.target, self._flat_training_advantages(round_), batch_size)
             return self.rollout_buffer.to_records(flat)
+        if request.optimizer_aware == "unrolled":
+            return self.rollout_buffer.to_records(unrolled_influence(self, request.target, batch_size))
         scorer = self._multi_step_scorer(request, batch_size, target_gradient)
         self.replay_update([scorer])
         return self.rollout_buffer.to_records(scorer.scores)

@@ -94,8 +94,9 @@ class IIFCallback(RoundCallback):
         0.0625 BipedalWalker in the paper).
     :param target: What the records are scored against: ``"return"`` (the paper's) or a ``Target``.
     :param rule: The drop rule: a name of :data:`~sb3_influence.common.filters.DROP_RULES` or a ``DropRule``.
-    :param optimizer_aware: Rank records by the optimizer-aware score (computed by replaying the update before the
-        real one: about twice the update's cost) instead of the paper's single-checkpoint SGD proxy.
+    :param optimizer_aware: Rank records by the optimizer-aware score instead of the paper's single-checkpoint SGD
+        proxy: ``True`` (in-run score, by replaying the update before the real one: about twice the update's cost)
+        or ``"unrolled"`` (through the whole update, the most faithful under Adam: about 5x).
     :param verbose: Verbosity level: 0 no output, 1 one line per round.
     """
 
@@ -106,7 +107,7 @@ class IIFCallback(RoundCallback):
         fraction: float = 0.125,
         target: str | Target = "return",
         rule: str | DropRule = "neg-bottom",
-        optimizer_aware: bool = False,
+        optimizer_aware: bool | str = False,
         verbose: int = 0,
     ):
         super().__init__(verbose)
@@ -120,8 +121,8 @@ class IIFCallback(RoundCallback):
         self.target = as_target(target)
         self.rule = rule
         self._drop_rule = resolve_drop_rule(rule, owner="IIFCallback")
-        if not isinstance(optimizer_aware, bool):
-            raise TypeError(f"IIFCallback: optimizer_aware must be True or False, got {optimizer_aware!r}")
+        if optimizer_aware not in (False, True, "unrolled"):
+            raise ValueError(f"IIFCallback: optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}")
         self.optimizer_aware = optimizer_aware
         self.request = ScoreRequest(self.target, "multi" if optimizer_aware else "single", optimizer_aware=optimizer_aware)
         self.last_drop: np.ndarray | None = None

@@ -134,27 +134,30 @@ class ScoreRequest:
 
     :param target: The target f.
     :param checkpoints: ``"single"`` (at θ(k)) or ``"multi"`` (summed over the update's optimiser steps).
-    :param optimizer_aware: Score through the optimiser that ran (see
-        :mod:`sb3_influence.common.scoring.optimizer_aware`); needs ``checkpoints="multi"``.
+    :param optimizer_aware: Score through the optimiser that ran: ``True`` (in-run, see
+        :mod:`sb3_influence.common.scoring.optimizer_aware`) or ``"unrolled"`` (through the whole update, see
+        :mod:`sb3_influence.common.scoring.unrolled`); needs ``checkpoints="multi"``.
     :param in_run: Compute it during the round's real update (no replay), so it is ready only after the update:
         participants read it in ``after_update``. Only for optimizer-aware requests.
     """
 
     target: Target
     checkpoints: str = "single"
-    optimizer_aware: bool = False
+    optimizer_aware: bool | str = False
     in_run: bool = False
 
     def __post_init__(self) -> None:
+        if self.optimizer_aware not in (False, True, "unrolled"):
+            raise ValueError(f"optimizer_aware must be False, True or 'unrolled', got {self.optimizer_aware!r}")
         if self.checkpoints not in CHECKPOINTS:
             raise ValueError(f"checkpoints must be one of {CHECKPOINTS}, got {self.checkpoints!r}")
         if self.optimizer_aware and self.checkpoints != "multi":
             raise ValueError("optimizer_aware=True scores every optimiser step of the update: use checkpoints='multi'")
-        if self.in_run and not self.optimizer_aware:
-            raise ValueError("in_run=True is only for optimizer-aware requests")
+        if self.in_run and self.optimizer_aware is not True:
+            raise ValueError("in_run=True is only for optimizer_aware=True requests (the unrolled score needs a replay)")
 
     @property
-    def key(self) -> tuple[Any, str, bool]:
+    def key(self) -> tuple[Any, str, bool | str]:
         """Requests with equal keys are scored once per round (in-run and replayed scores are the same numbers)."""
         try:
             hash(self.target)
