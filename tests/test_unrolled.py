@@ -58,3 +58,17 @@ def test_errors():
     model.target_kl = 0.01
     with pytest.raises(ValueError, match="target_kl"):
         unrolled_influence(model, ReturnTarget(), 64)
+
+
+def test_callbacks_take_the_unrolled_score(tmp_path):
+    from sb3_influence import AttributionCallback, IIFCallback, InfluencePPO, load_snapshots
+
+    model = InfluencePPO(
+        "MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2, seed=0, policy_kwargs=dict(net_arch=[8])
+    )
+    iif = IIFCallback(fraction=0.5, optimizer_aware="unrolled")
+    model.learn(128, callback=[iif, AttributionCallback(save_dir=str(tmp_path), optimizer_aware="unrolled")])
+    frame = load_snapshots(str(tmp_path))
+    assert len(frame) == 128 and not frame["keep"].all()
+    with pytest.raises(ValueError, match="optimizer_aware must be"):
+        AttributionCallback(optimizer_aware="yes")

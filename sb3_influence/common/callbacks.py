@@ -180,8 +180,9 @@ class AttributionCallback(RoundCallback):
     :param every: Score every ``every`` rounds (rounds 0, every, 2·every, ...).
     :param name_prefix: File name prefix of the snapshots.
     :param log_histogram: Log a histogram of the scores to TensorBoard.
-    :param optimizer_aware: Score with the optimizer-aware in-run influence, computed during the round's real
-        update from its own forward and backward passes (no replay); logs and the snapshot then come after the update.
+    :param optimizer_aware: ``True``: score with the optimizer-aware in-run influence, computed during the round's
+        real update from its own forward and backward passes (no replay); logs and the snapshot then come after the
+        update. ``"unrolled"``: the hypergradient through the whole update (by replay, before the update).
     :param verbose: Verbosity level: 0 no output, 1 one line per snapshot.
     """
 
@@ -194,12 +195,14 @@ class AttributionCallback(RoundCallback):
         every: int = 1,
         name_prefix: str = "snapshot",
         log_histogram: bool = True,
-        optimizer_aware: bool = False,
+        optimizer_aware: bool | str = False,
         verbose: int = 0,
     ):
         super().__init__(verbose)
-        if not isinstance(optimizer_aware, bool):
-            raise TypeError(f"AttributionCallback: optimizer_aware must be True or False, got {optimizer_aware!r}")
+        if optimizer_aware not in (False, True, "unrolled"):
+            raise ValueError(
+                f"AttributionCallback: optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}"
+            )
         self.optimizer_aware = optimizer_aware
         if isinstance(targets, (str, Target)):
             targets = [targets]
@@ -232,8 +235,10 @@ class AttributionCallback(RoundCallback):
     def score_requests(self, round_: InfluenceRound) -> Sequence[ScoreRequest]:
         if round_.index % self.every != 0:
             return ()
-        if self.optimizer_aware:
+        if self.optimizer_aware is True:
             return [ScoreRequest(target, "multi", optimizer_aware=True, in_run=True) for target in self.targets]
+        if self.optimizer_aware == "unrolled":
+            return [ScoreRequest(target, "multi", optimizer_aware="unrolled") for target in self.targets]
         return [ScoreRequest(target) for target in self.targets]
 
     def _log(self, round_: InfluenceRound) -> None:
@@ -251,11 +256,12 @@ class AttributionCallback(RoundCallback):
                 self.logger.record(f"{prefix}/hist", scores.ravel().astype(np.float32), exclude=_TENSORBOARD_ONLY)
 
     def on_round(self, round_: InfluenceRound) -> None:
-        if not self.optimizer_aware:
+        if self.optimizer_aware is not True:
             self._report(round_)
 
     def after_update(self, round_: InfluenceRound) -> None:
-        if self.optimizer_aware:
+        if self.optimizer_aware is True:
+            # In-run scores exist only once the update ran
             self._report(round_)
 
     def _report(self, round_: InfluenceRound) -> None:
