@@ -8,6 +8,7 @@ class keeps what is its own, as SB3 does: its hyperparameters and its update loo
 round's first permutation for its first epoch and call the step hooks after ``backward()`` and gradient clipping.
 """
 
+import uuid
 import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -87,6 +88,8 @@ class InfluenceAlgorithm:
         self.influence_method = influence_method
         self.influence_layer_scorers = None if influence_layer_scorers is None else tuple(influence_layer_scorers)
         self.n_rounds = 0
+        # The run's identity, saved with the model: its snapshots carry it, so runs are never mixed up
+        self.run_id = uuid.uuid4().hex
         if env is not None:
             # Make the env here (as BaseAlgorithm would) to reject unsupported spaces with a clear error
             env = maybe_make_env(env, verbose)
@@ -179,6 +182,8 @@ class InfluenceAlgorithm:
                 "callback's _on_rollout_end)."
             )
         if self.last_round is None or self.last_round.rollout_id != buffer.rollout_id:
+            # Every consumer of the round (scores, filters, snapshots, the update) passes here once per rollout
+            self._check_finite_round(self.n_rounds)
             permutation = buffer.first_epoch_permutation()
             self.last_round = InfluenceRound(
                 index=self.n_rounds,
@@ -360,6 +365,48 @@ class InfluenceAlgorithm:
             )
             return
         self.update()
+        self._check_finite_parameters(f"after the update of round {self.current_round().index}: it made them so")
+
+    def _check_finite_round(self, index: int) -> None:
+        """
+        Refuse a round whose data or parameters θ(k) are not finite (NaN or inf), before anything uses them.
+
+        :param index: The round about to open.
+        """
+        buffer = self.rollout_buffer
+        fields = {name: np.asarray(buffer.flat_field(name)) for name in ("rewards", "advantages", "returns")}
+        bad = {name: ~np.isfinite(values).reshape(buffer.n_records, -1).all(axis=1) for name, values in fields.items()}
+        observations = buffer.flat_field("observations")
+        for key, values in observations.items() if isinstance(observations, dict) else [(None, observations)]:
+            if np.issubdtype(np.asarray(values).dtype, np.floating):  # integer observations (images) are finite
+                name = "observations" if key is None else f"observations[{key!r}]"
+                bad[name] = ~np.isfinite(values).reshape(buffer.n_records, -1).all(axis=1)
+        counts = {name: int(np.count_nonzero(mask)) for name, mask in bad.items() if mask.any()}
+        if counts:
+            n_bad = int(np.count_nonzero(np.any(list(bad.values()), axis=0)))
+            details = ", ".join(f"{name}: {count}" for name, count in counts.items())
+            raise ValueError(
+                f"Round {index}: {n_bad} of {buffer.n_records} records hold NaN or inf values ({details}); they cannot "
+                "be scored nor trained on. Likely cause: the env returned NaN/inf rewards or observations (wrap it in "
+                "stable_baselines3.common.vec_env.VecCheckNan(env, raise_exception=True) to find the step), or rewards "
+                "so large that the returns overflow (scale them, e.g. VecNormalize)."
+            )
+        self._check_finite_parameters(f"at the start of round {index} (θ(k), as loaded or set)")
+
+    def _check_finite_parameters(self, when: str) -> None:
+        """
+        Raise when the policy's parameters are not finite.
+
+        :param when: When they were found so (named in the message).
+        """
+        bad = [name for name, parameter in self.policy.named_parameters() if not bool(th.isfinite(parameter).all())]
+        if not bad:
+            return
+        raise ValueError(
+            f"The policy's parameters are NaN or inf {when} ({len(bad)} tensor(s): {', '.join(bad[:5])}). The update "
+            "diverged: lower the learning rate or max_grad_norm, check the rewards' scale (VecNormalize) and the "
+            "observations (VecCheckNan), or resume from an earlier checkpoint."
+        )
 
     def update(self, step_hooks: Sequence[StepHook] = ()) -> None:
         """
