@@ -161,7 +161,12 @@ class InfluenceAlgorithm:
         self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int
     ) -> bool:
         """Collect a rollout as ``PPO`` does, then run the round (scores, filters, observers) before the update."""
-        if not super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps):  # type: ignore[misc]
+        try:
+            collected = super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)  # type: ignore[misc]
+        except ValueError as error:
+            self._explain_invalid_values(error, f"during the rollout of round {self.n_rounds}")
+            raise
+        if not collected:
             return False
         # learn() does this right after the rollout: schedules evaluated in the round see the right progress
         sb3_compat.update_progress_remaining(self)
@@ -364,8 +369,13 @@ class InfluenceAlgorithm:
                 UserWarning,
             )
             return
-        self.update()
-        self._check_finite_parameters(f"after the update of round {self.current_round().index}: it made them so")
+        index = self.current_round().index
+        try:
+            self.update()
+        except ValueError as error:
+            self._explain_invalid_values(error, f"during the update of round {index}: it made them so")
+            raise
+        self._check_finite_parameters(f"after the update of round {index}: it made them so")
 
     def _check_finite_round(self, index: int) -> None:
         """
@@ -392,6 +402,20 @@ class InfluenceAlgorithm:
                 "so large that the returns overflow (scale them, e.g. VecNormalize)."
             )
         self._check_finite_parameters(f"at the start of round {index} (θ(k), as loaded or set)")
+
+    def _explain_invalid_values(self, error: ValueError, when: str) -> None:
+        """
+        Turn torch's "found invalid values" (a NaN action distribution) into an error that says where the NaN came
+        from; other errors are left alone.
+        """
+        if "found invalid values" not in str(error):
+            return
+        self._check_finite_parameters(when)
+        raise ValueError(
+            f"Round {self.n_rounds}: the policy's action distribution is NaN or inf {when}, with finite parameters: the "
+            "env returned a NaN or inf observation. Wrap it in stable_baselines3.common.vec_env.VecCheckNan(env, "
+            "raise_exception=True) to find the step, or fix the observation (e.g. VecNormalize's clip_obs)."
+        ) from error
 
     def _check_finite_parameters(self, when: str) -> None:
         """

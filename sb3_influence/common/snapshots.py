@@ -481,9 +481,10 @@ def _read_npz(path: str, keys: Iterable[str] | None = None) -> dict[str, np.ndar
     if size == 0:
         raise SnapshotError(path, "the file is empty (0 bytes): a copy or a write that never finished. Delete it")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise SnapshotError(path, "is a single .npy array, not an .npz archive of attribution arrays", foreign=True)
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise SnapshotError(path, "is a single .npy array, not an .npz archive of attribution arrays", foreign=True)
+        with data:
             names = data.files if keys is None else [key for key in keys if key in data.files]
             return {key: data[key] for key in names}
     except SnapshotError:
@@ -491,9 +492,14 @@ def _read_npz(path: str, keys: Iterable[str] | None = None) -> dict[str, np.ndar
     except (zipfile.BadZipFile, EOFError, zlib.error, OSError, KeyError, ValueError, UnicodeDecodeError) as error:
         raise SnapshotError(
             path,
-            f"is damaged: {type(error).__name__}: {error} (truncated, bit-flipped or not an .npz file). Delete it, "
+            f"is damaged: {_error_name(error)}: {error} (truncated, bit-flipped or not an .npz file). Delete it, "
             "or load the folder with on_error='skip'",
         ) from error
+
+
+def _error_name(error: BaseException) -> str:
+    name = type(error).__name__
+    return f"{type(error).__module__}.{name}" if name == "error" else name  # zlib.error
 
 
 def _decode_file_metadata(path: str, raw: Any) -> dict[str, Any]:

@@ -205,14 +205,14 @@ def _check_values(values: np.ndarray, space: spaces.Space, argument: str) -> Non
     else:
         return
     if values.dtype.kind == "f" and not np.array_equal(values, np.round(values)):
-        first = values[values != np.round(values)].ravel()[0]
+        first = values[values != np.round(values)].ravel()[0].item()
         raise ValueError(
             f"ActionTarget: `{argument}` must hold whole numbers for the space {space}, got {first!r}: it would be "
             "truncated to another value. Pass the integer actions (observations) themselves"
         )
     outside = (values < low) | (values > high)
     if outside.any():
-        first = values[outside].ravel()[0]
+        first = values[outside].ravel()[0].item()
         raise ValueError(
             f"ActionTarget: `{argument}` must lie in [{low.min()}, {high.max()}] for the space {space}, "
             f"got {first!r} ({int(np.count_nonzero(outside))} value(s) out of range)"
