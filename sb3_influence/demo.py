@@ -58,6 +58,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rule", choices=sorted(DROP_RULES), default="neg-bottom", help="IIF drop rule (default: neg-bottom)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--save-dir", default=None, help="keep the attribution snapshots here (default: a temporary folder)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the snapshots of another run found in --save-dir (default: refuse)"
+    )
     parser.add_argument("--eval-episodes", type=int, default=10, help="final evaluation episodes, 0: skip (default: 10)")
     parser.add_argument("--top", type=_positive_int, default=3, help="records listed at each end of round (default: 3)")
     parser.add_argument("--verbose", type=int, default=0, help="SB3 verbosity (default: 0)")
@@ -141,7 +144,7 @@ def run(args: argparse.Namespace, save_dir: str) -> str:
     # The callbacks first: a bad save_dir is reported before the env is made
     callbacks: list[BaseCallback] = [
         IIFCallback(fraction=args.fraction, rule=args.rule),
-        AttributionCallback(targets=("return",), save_dir=save_dir),
+        AttributionCallback(targets=("return",), save_dir=save_dir, overwrite=args.overwrite),
     ]
     model = InfluencePPO(
         "MlpPolicy",

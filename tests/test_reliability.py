@@ -136,6 +136,13 @@ def test_api_bad_input(name, tmp_path):
         call(tmp_path)
 
 
+def test_unwritable_save_dir_is_refused_at_construction(tmp_path, monkeypatch):
+    # As root every folder is writable: stand in for a read-only parent
+    monkeypatch.setattr(os, "access", lambda path, mode: os.path.abspath(path) != str(tmp_path))
+    with pytest.raises(PermissionError, match=r"save_dir .*/new/sub' is not writable \(.* denies writing\)"):
+        AttributionCallback(save_dir=str(tmp_path / "new" / "sub"))
+
+
 def test_bad_target_is_refused_before_any_training():
     model = _model()
     with pytest.raises(ValueError, match="whole numbers"):

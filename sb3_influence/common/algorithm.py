@@ -384,13 +384,19 @@ class InfluenceAlgorithm:
         :param index: The round about to open.
         """
         buffer = self.rollout_buffer
-        fields = {name: np.asarray(buffer.flat_field(name)) for name in ("rewards", "advantages", "returns")}
-        bad = {name: ~np.isfinite(values).reshape(buffer.n_records, -1).all(axis=1) for name, values in fields.items()}
-        observations = buffer.flat_field("observations")
-        for key, values in observations.items() if isinstance(observations, dict) else [(None, observations)]:
-            if np.issubdtype(np.asarray(values).dtype, np.floating):  # integer observations (images) are finite
-                name = "observations" if key is None else f"observations[{key!r}]"
-                bad[name] = ~np.isfinite(values).reshape(buffer.n_records, -1).all(axis=1)
+        bad: dict[str, np.ndarray] = {}
+        for name in ("rewards", "advantages", "returns", "observations"):
+            value = getattr(buffer, name)
+            # Checked in place (no copy of the observations): SB3 flattens every field but these two in get()
+            flat = buffer.generator_ready and name not in ("rewards", "episode_starts")
+            for key, array in value.items() if isinstance(value, dict) else [(None, value)]:
+                if not np.issubdtype(array.dtype, np.floating):  # integer observations (images) are finite
+                    continue
+                if flat:
+                    mask = ~np.isfinite(array).reshape(buffer.n_records, -1).all(axis=1)
+                else:
+                    mask = buffer.to_flat(~np.isfinite(array).reshape(buffer.buffer_size, buffer.n_envs, -1).all(axis=2))
+                bad[name if key is None else f"{name}[{key!r}]"] = mask
         counts = {name: int(np.count_nonzero(mask)) for name, mask in bad.items() if mask.any()}
         if counts:
             n_bad = int(np.count_nonzero(np.any(list(bad.values()), axis=0)))
