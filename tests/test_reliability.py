@@ -527,22 +527,33 @@ TRAIN_SCRIPT = textwrap.dedent(
 
 
 def test_sigkill_mid_run_leaves_a_loadable_folder(tmp_path):
+    """Three trainings (run side by side to save time), each SIGKILLed at a random moment after its first snapshot."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     rng = random.Random(0)
-    for attempt in range(3):
-        folder = tmp_path / f"run{attempt}"
-        process = subprocess.Popen([sys.executable, "-c", TRAIN_SCRIPT, str(folder)], env=env)
-        try:
-            deadline = time.time() + 120
-            while not list(folder.glob("snapshot_*.npz")):
-                assert process.poll() is None, "the training process died before its first snapshot"
-                assert time.time() < deadline, "no snapshot after 120 s"
-                time.sleep(0.02)
-            time.sleep(rng.uniform(0.0, 1.5))
-        finally:
-            process.send_signal(signal.SIGKILL)
-            process.wait()
-        # Every complete snapshot loads; temporary files of the killed write are never read
+    folders = [tmp_path / f"run{attempt}" for attempt in range(3)]
+    processes = [subprocess.Popen([sys.executable, "-c", TRAIN_SCRIPT, str(folder)], env=env) for folder in folders]
+    kill_at: list[float | None] = [None] * len(processes)
+    try:
+        deadline = time.time() + 240
+        while any(process.poll() is None for process in processes):
+            assert time.time() < deadline, "no snapshot after 240 s"
+            for i, (process, folder) in enumerate(zip(processes, folders, strict=True)):
+                if process.poll() is not None:
+                    continue
+                if kill_at[i] is None and list(folder.glob("snapshot_*.npz")):
+                    kill_at[i] = time.time() + rng.uniform(0.0, 2.0)
+                if kill_at[i] is not None and time.time() >= kill_at[i]:  # type: ignore[operator]
+                    process.send_signal(signal.SIGKILL)
+                    process.wait()
+            time.sleep(0.01)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for process, folder in zip(processes, folders, strict=True):
+        assert process.returncode == -signal.SIGKILL, "the training process ended before it was killed"
+        # Every complete snapshot loads (raise on any damaged file); temporary files of a killed write are never read
         loaded = snapshots.load_all(str(folder))
         assert [s.round for s in loaded] == list(range(len(loaded)))
         assert all(np.isfinite(s.scores()).all() for s in loaded)
