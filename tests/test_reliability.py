@@ -182,6 +182,10 @@ CLI_CASES = {
     "rule": (lambda t, r: ["run", "--rule", "worst"], "--rule: invalid choice"),
     "eval episodes": (lambda t, r: ["run", "--eval-episodes", "-1"], "--eval-episodes"),
     "save dir is a file": (lambda t, r: ["run", "--save-dir", _existing_file(t)], "save_dir .* is a file"),
+    "save dir of another run": (
+        lambda t, r: ["run", "--timesteps", "32", "--save-dir", str(shutil.copytree(r, t / "other"))],
+        "already holds 2 snapshot.* of another run .*overwrite",
+    ),
     "unknown env": (lambda t, r: ["run", "--env", "NoSuchEnv-v0", "--timesteps", "32"], "NoSuchEnv"),
     "report missing folder": (lambda t, r: ["report", str(t / "missing")], "does not exist"),
     "report empty folder": (lambda t, r: ["report", str(t)], r"No snapshot \(\*\.npz\)"),

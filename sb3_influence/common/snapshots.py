@@ -672,8 +672,14 @@ def _select_runs(where: str, snapshots: list[Snapshot], run_id: str | None, allo
             raise SnapshotError(
                 where,
                 f"run_id={key} holds round {round_} more than once ({', '.join(paths)}; {len(duplicates)} duplicated "
-                "round(s) in all): two trainings wrote the same run here (a model loaded from an older save?). Move "
-                "the snapshots of one of them to another folder",
+                "round(s) in all): "
+                + (
+                    "these snapshots carry no run id (written by an older sb3_influence), so several runs may have "
+                    "written here"
+                    if key == "unknown"
+                    else "two trainings wrote the same run here (a model loaded from an older save?)"
+                )
+                + ". Move the snapshots of one of them to another folder",
             )
         layouts = {(snapshot.layout, snapshot.metadata.get("name_prefix")) for snapshot in members}
         if len(layouts) > 1:
