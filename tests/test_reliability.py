@@ -398,6 +398,13 @@ def test_duplicate_round_within_a_run_is_refused(tmp_path, run_folder):
     shutil.copy(first, tmp_path / "run" / "copy_of_round0.npz")
     with pytest.raises(SnapshotError, match="holds round 0 more than once"):
         load_snapshots(str(tmp_path / "run"))
+    # Snapshots of older versions carry no run id: two of them with the same round cannot be told apart
+    arrays = {"keep": np.ones((2, 1), dtype=bool), "round": np.array(0), "num_timesteps": np.array(2)}
+    (tmp_path / "legacy").mkdir()
+    for seed in (1, 2):
+        snapshots.save_snapshot(str(tmp_path / "legacy" / f"seed{seed}.npz"), arrays, {"seed": seed})
+    with pytest.raises(SnapshotError, match="carry no run id"):
+        snapshots.load_all(str(tmp_path / "legacy"))
 
 
 def test_metadata_carries_the_run_identity(run_folder):
