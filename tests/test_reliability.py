@@ -367,9 +367,12 @@ def test_resuming_with_another_n_envs_or_from_an_older_save_is_refused(tmp_path)
     with pytest.raises(ValueError, match=r"already holds 2 snapshot\(s\) of this run with another layout"):
         other_layout.learn(128, callback=AttributionCallback(save_dir=str(tmp_path / "snap")))
     older = InfluencePPO.load(tmp_path / "round1.zip", env=make_vec_env("CartPole-v1", n_envs=2))
-    with pytest.raises(ValueError, match="already holds round 1 of this run"):
+    with pytest.raises(ValueError, match=r"already holds round\(s\) \[1\] of this run, which this model has not reached"):
         older.learn(64, callback=AttributionCallback(save_dir=str(tmp_path / "snap")))
-    assert len(load_snapshots(str(tmp_path / "snap"))) == 2 * 64
+    assert older.num_timesteps == 0 and len(load_snapshots(str(tmp_path / "snap"))) == 2 * 64
+    # overwrite=True: the older branch's later rounds are replaced
+    older.learn(64, callback=AttributionCallback(save_dir=str(tmp_path / "snap"), overwrite=True))
+    assert [s.num_timesteps for s in snapshots.load_all(str(tmp_path / "snap"))] == [64, 64]
 
 
 def test_mixed_runs_are_refused_unless_chosen(tmp_path, run_folder):

@@ -235,6 +235,17 @@ class AttributionCallback(RoundCallback):
                 ) from error
             remove_orphaned_temp_files(self.save_dir)
             self._written = claim_save_dir(self.save_dir, self.model.run_id, self._layout(), overwrite=self.overwrite)
+            # Rounds this model has not reached yet were written by another branch of the run (an older save resumed)
+            later = sorted(index for index in self._written if index >= self.model.n_rounds)
+            if later and not self.overwrite:
+                raise ValueError(
+                    f"AttributionCallback: save_dir {self.save_dir!r} already holds round(s) {later} of this run, which "
+                    f"this model has not reached (n_rounds={self.model.n_rounds}): it was loaded from a save older than "
+                    "those snapshots, so the two trainings would mix. Give it a new save_dir, or pass overwrite=True "
+                    "to delete those rounds"
+                )
+            for index in later:
+                os.remove(self._written.pop(index))
 
     def _layout(self) -> dict[str, Any]:
         """What makes this writer's snapshots one run with the folder's: the buffer's layout and the name prefix."""
