@@ -493,7 +493,7 @@ def _read_npz(path: str, keys: Iterable[str] | None = None) -> dict[str, np.ndar
         raise SnapshotError(
             path,
             f"is damaged: {_error_name(error)}: {error} (truncated, bit-flipped or not an .npz file). Delete it, "
-            "or load the folder with on_error='skip'",
+            "or load the folder with on_error='skip' (sb3-influence report --skip-damaged)",
         ) from error
 
 
