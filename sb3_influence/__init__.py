@@ -7,7 +7,7 @@ from sb3_influence.common.targets import ActionTarget, ReturnTarget, Target
 from sb3_influence.influence_ppo import InfluencePPO
 from sb3_influence.common.callbacks import AttributionCallback, IIFCallback
 from sb3_influence.common.extractors import MiniGridCNN
-from sb3_influence.common.snapshots import Snapshot, load_snapshot, load_snapshots
+from sb3_influence.common.snapshots import Snapshot, SnapshotError, load_snapshot, load_snapshots
 from sb3_influence.common.state import TrainingState, training_state
 
 # Read version from file
@@ -28,6 +28,7 @@ __all__ = [
     "MiniGridCNN",
     "ReturnTarget",
     "Snapshot",
+    "SnapshotError",
     "StepInfo",
     "Target",
     "TrainingState",

@@ -1,7 +1,16 @@
-"""``sb3-influence``: one command line, one sub-command per job (imported only when used)."""
+"""
+``sb3-influence``: one command line, one sub-command per job (imported only when used).
+
+A user error (a bad argument, a missing or damaged file, a folder of mixed runs, an unknown env id) ends the
+command with one line on stderr, ``error: ...``, and exit status 2, never a traceback. Set the environment
+variable ``SB3_INFLUENCE_TRACEBACK=1`` to see the traceback instead.
+"""
 
 import importlib
+import os
 import sys
+
+from sb3_influence.common.command_line import one_line, user_errors
 
 # sub-command -> (module, one-line help); each module has ``main(argv: list[str] | None) -> int | None``
 COMMANDS = {
@@ -19,16 +28,28 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """
+    Entry point of ``sb3-influence``.
+
+    :param argv: Command-line arguments (default: ``sys.argv[1:]``).
+    :return: The exit status: 0 done, 2 a user error (one line on stderr).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"sb3-influence: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"error: sb3-influence: unknown command {command!r}, use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except Exception as error:
+        if not isinstance(error, user_errors()) or os.environ.get("SB3_INFLUENCE_TRACEBACK"):
+            raise
+        print(f"error: sb3-influence {command}: {type(error).__name__}: {one_line(error)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

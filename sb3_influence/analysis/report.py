@@ -10,7 +10,6 @@ The learning curve comes from SB3 ``Monitor`` files (``*monitor.csv``) under ``R
 ``EvalCallback``'s ``evaluations.npz``, else from the episodes completed inside the snapshots' rollouts.
 """
 
-import argparse
 import base64
 import html
 import io
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sb3_influence.analysis.formation import _spearman
+from sb3_influence.common.command_line import ArgumentParser, one_line
 from sb3_influence.common.snapshots import Snapshot, as_snapshot, load_all
 
 if TYPE_CHECKING:
@@ -219,6 +219,8 @@ def build_report(
     target: str | None = None,
     top_k: int = 10,
     title: str | None = None,
+    run_id: str | None = None,
+    on_error: str = "raise",
 ) -> Path:
     """
     Write ``report.html`` and its PNGs for the snapshots found under ``run_dir``.
@@ -228,6 +230,10 @@ def build_report(
     :param target: Target whose influence is shown (default ``"return"``, else the only one).
     :param top_k: Records listed per group in the top/bottom table.
     :param title: Page title (default: the run folder's name).
+    :param run_id: The run to report when ``run_dir`` holds several (a unique prefix is enough); a folder of
+        several runs is refused without it.
+    :param on_error: ``"raise"``: a damaged snapshot file raises :class:`~sb3_influence.common.snapshots.SnapshotError`;
+        ``"skip"``: it is left out with a warning naming it.
     :return: Path of the HTML file.
     """
     run_dir = Path(run_dir)
@@ -237,7 +243,7 @@ def build_report(
         )
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    snapshots = load_all(run_dir)
+    snapshots = load_all(run_dir, on_error=on_error, run_id=run_id)
     target = snapshots[-1].influence_key(target).split("/", 1)[1]
     out = Path(out_dir) if out_dir is not None else (run_dir / "report" if run_dir.is_dir() else run_dir.parent / "report")
     out.mkdir(parents=True, exist_ok=True)
@@ -287,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     :param argv: Command-line arguments (default: ``sys.argv[2:]`` through ``sb3_influence.cli``).
     :return: Exit status.
     """
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="sb3-influence report",
         description="Build a self-contained HTML report (and PNGs) from the attribution snapshots of a run.",
     )
@@ -296,10 +302,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=None, help="target name to show (default: 'return', else the only one)")
     parser.add_argument("--top", type=int, default=10, help="records per group in the top/bottom table (default: 10)")
     parser.add_argument("--title", default=None, help="page title")
+    parser.add_argument("--run-id", default=None, help="the run to report when RUN_DIR holds several (a unique prefix)")
+    parser.add_argument(
+        "--skip-damaged", action="store_true", help="leave damaged snapshot files out (with a warning) instead of stopping"
+    )
     args = parser.parse_args(argv)
     try:
-        path = build_report(args.run_dir, out_dir=args.out, target=args.target, top_k=args.top, title=args.title)
-    except (ValueError, FileNotFoundError) as error:
-        parser.error(str(error))
+        path = build_report(
+            args.run_dir,
+            out_dir=args.out,
+            target=args.target,
+            top_k=args.top,
+            title=args.title,
+            run_id=args.run_id,
+            on_error="skip" if args.skip_damaged else "raise",
+        )
+    except (ValueError, OSError) as error:
+        parser.error(one_line(error))
     print(f"report written to {path}")
     return 0

@@ -8,6 +8,7 @@ class keeps what is its own, as SB3 does: its hyperparameters and its update loo
 round's first permutation for its first epoch and call the step hooks after ``backward()`` and gradient clipping.
 """
 
+import uuid
 import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -89,6 +90,8 @@ class InfluenceAlgorithm:
         self.influence_method = influence_method
         self.influence_layer_scorers = None if influence_layer_scorers is None else tuple(influence_layer_scorers)
         self.n_rounds = 0
+        # The run's identity, saved with the model: its snapshots carry it, so runs are never mixed up
+        self.run_id = uuid.uuid4().hex
         if env is not None:
             # Make the env here (as BaseAlgorithm would) to reject unsupported spaces with a clear error
             env = maybe_make_env(env, verbose)
@@ -160,7 +163,12 @@ class InfluenceAlgorithm:
         self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int
     ) -> bool:
         """Collect a rollout as ``PPO`` does, then run the round (scores, filters, observers) before the update."""
-        if not super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps):  # type: ignore[misc]
+        try:
+            collected = super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)  # type: ignore[misc]
+        except ValueError as error:
+            self._explain_invalid_values(error, f"during the rollout of round {self.n_rounds}")
+            raise
+        if not collected:
             return False
         # learn() does this right after the rollout: schedules evaluated in the round see the right progress
         sb3_compat.update_progress_remaining(self)
@@ -181,6 +189,8 @@ class InfluenceAlgorithm:
                 "callback's _on_rollout_end)."
             )
         if self.last_round is None or self.last_round.rollout_id != buffer.rollout_id:
+            # Every consumer of the round (scores, filters, snapshots, the update) passes here once per rollout
+            self._check_finite_round(self.n_rounds)
             permutation = buffer.first_epoch_permutation()
             self.last_round = InfluenceRound(
                 index=self.n_rounds,
@@ -412,11 +422,78 @@ class InfluenceAlgorithm:
                 UserWarning,
             )
         else:
-            self.update(step_hooks=scorers)
+            index = round_.index
+            try:
+                self.update(step_hooks=scorers)
+            except ValueError as error:
+                self._explain_invalid_values(error, f"during the update of round {index}: it made them so")
+                raise
+            self._check_finite_parameters(f"after the update of round {index}: it made them so")
         for request, scorer in zip(round_.in_run, scorers, strict=True):
             round_.scores.setdefault(request.key, self.rollout_buffer.to_records(scorer.scores))
         for participant in self._participants:
             participant.after_update(round_)
+
+    def _check_finite_round(self, index: int) -> None:
+        """
+        Refuse a round whose data or parameters θ(k) are not finite (NaN or inf), before anything uses them.
+
+        :param index: The round about to open.
+        """
+        buffer = self.rollout_buffer
+        bad: dict[str, np.ndarray] = {}
+        for name in ("rewards", "advantages", "returns", "observations"):
+            value = getattr(buffer, name)
+            # Checked in place (no copy of the observations): SB3 flattens every field but these two in get()
+            flat = buffer.generator_ready and name not in ("rewards", "episode_starts")
+            for key, array in value.items() if isinstance(value, dict) else [(None, value)]:
+                if not np.issubdtype(array.dtype, np.floating):  # integer observations (images) are finite
+                    continue
+                if flat:
+                    mask = ~np.isfinite(array).reshape(buffer.n_records, -1).all(axis=1)
+                else:
+                    mask = buffer.to_flat(~np.isfinite(array).reshape(buffer.buffer_size, buffer.n_envs, -1).all(axis=2))
+                bad[name if key is None else f"{name}[{key!r}]"] = mask
+        counts = {name: int(np.count_nonzero(mask)) for name, mask in bad.items() if mask.any()}
+        if counts:
+            n_bad = int(np.count_nonzero(np.any(list(bad.values()), axis=0)))
+            details = ", ".join(f"{name}: {count}" for name, count in counts.items())
+            raise ValueError(
+                f"Round {index}: {n_bad} of {buffer.n_records} records hold NaN or inf values ({details}); they cannot "
+                "be scored nor trained on. Likely cause: the env returned NaN/inf rewards or observations (wrap it in "
+                "stable_baselines3.common.vec_env.VecCheckNan(env, raise_exception=True) to find the step), or rewards "
+                "so large that the returns overflow (scale them, e.g. VecNormalize)."
+            )
+        self._check_finite_parameters(f"at the start of round {index} (θ(k), as loaded or set)")
+
+    def _explain_invalid_values(self, error: ValueError, when: str) -> None:
+        """
+        Turn torch's "found invalid values" (a NaN action distribution) into an error that says where the NaN came
+        from; other errors are left alone.
+        """
+        if "found invalid values" not in str(error):
+            return
+        self._check_finite_parameters(when)
+        raise ValueError(
+            f"Round {self.n_rounds}: the policy's action distribution is NaN or inf {when}, with finite parameters: the "
+            "env returned a NaN or inf observation. Wrap it in stable_baselines3.common.vec_env.VecCheckNan(env, "
+            "raise_exception=True) to find the step, or fix the observation (e.g. VecNormalize's clip_obs)."
+        ) from error
+
+    def _check_finite_parameters(self, when: str) -> None:
+        """
+        Raise when the policy's parameters are not finite.
+
+        :param when: When they were found so (named in the message).
+        """
+        bad = [name for name, parameter in self.policy.named_parameters() if not bool(th.isfinite(parameter).all())]
+        if not bad:
+            return
+        raise ValueError(
+            f"The policy's parameters are NaN or inf {when} ({len(bad)} tensor(s): {', '.join(bad[:5])}). The update "
+            "diverged: lower the learning rate or max_grad_norm, check the rewards' scale (VecNormalize) and the "
+            "observations (VecCheckNan), or resume from an earlier checkpoint."
+        )
 
     def update(self, step_hooks: Sequence[StepHook] = ()) -> None:
         """

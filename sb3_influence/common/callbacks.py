@@ -16,8 +16,15 @@ from stable_baselines3.common.callbacks import BaseCallback
 
 from sb3_influence.common.filters import DropRule, resolve_drop_rule
 from sb3_influence.common.round import InfluenceModel, InfluenceRound, ScoreRequest
-from sb3_influence.common.snapshots import record_arrays, save_snapshot, snapshot_metadata, snapshot_path
-from sb3_influence.common.targets import Target, as_target
+from sb3_influence.common.snapshots import (
+    claim_save_dir,
+    record_arrays,
+    remove_orphaned_temp_files,
+    save_snapshot,
+    snapshot_metadata,
+    snapshot_path,
+)
+from sb3_influence.common.targets import Target, as_target, check_target
 
 # Only for logs: rich types (histograms) go to TensorBoard
 _TENSORBOARD_ONLY = ("stdout", "log", "json", "csv")
@@ -140,6 +147,7 @@ class IIFCallback(RoundCallback):
         if seed is None:
             seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
         self._seed_entropy = int(seed) % 2**63
+        check_target(self.target, self.model.observation_space, self.model.action_space)
 
     def round_rng(self, round_: InfluenceRound) -> np.random.Generator:
         """The generator of the random rules for a round (model seed + round index)."""
@@ -184,6 +192,10 @@ class AttributionCallback(RoundCallback):
         real update from its own forward and backward passes (no replay); logs and the snapshot then come after the
         update. ``"unrolled"``: the hypergradient through the whole update (by replay, before the update).
     :param verbose: Verbosity level: 0 no output, 1 one line per snapshot.
+    :param overwrite: When ``save_dir`` already holds snapshots of another run (another ``model.run_id``, or this
+        run with another ``n_envs``, ``n_steps`` or ``name_prefix``), delete those snapshot files instead of
+        raising. Snapshots of the same run are never overwritten without it: a resumed model continues its round
+        numbering after them.
     """
 
     round_role = "observer"
@@ -197,6 +209,7 @@ class AttributionCallback(RoundCallback):
         log_histogram: bool = True,
         optimizer_aware: bool | str = False,
         verbose: int = 0,
+        overwrite: bool = False,
     ):
         super().__init__(verbose)
         if optimizer_aware not in (False, True, "unrolled"):
@@ -220,7 +233,11 @@ class AttributionCallback(RoundCallback):
             raise TypeError(f"AttributionCallback: save_dir must be a folder path or None, got {type(save_dir).__name__}")
         if not isinstance(name_prefix, str) or not name_prefix or os.sep in name_prefix:
             raise ValueError(f"AttributionCallback: name_prefix must be a non-empty file name prefix, got {name_prefix!r}")
-        self.save_dir = os.fspath(save_dir) if save_dir is not None else None
+        if not isinstance(overwrite, bool):
+            raise TypeError(f"AttributionCallback: overwrite must be True or False, got {overwrite!r}")
+        self.save_dir = _check_save_dir(os.fspath(save_dir)) if save_dir is not None else None
+        self.overwrite = overwrite
+        self._written: dict[int, str] = {}
         self.every = int(every)
         self.name_prefix = name_prefix
         self.log_histogram = log_histogram
@@ -229,8 +246,34 @@ class AttributionCallback(RoundCallback):
 
     def _init_callback(self) -> None:
         super()._init_callback()
+        for target in self.targets:
+            check_target(target, self.model.observation_space, self.model.action_space)
         if self.save_dir is not None:
-            os.makedirs(self.save_dir, exist_ok=True)
+            try:
+                os.makedirs(self.save_dir, exist_ok=True)
+            except OSError as error:
+                raise OSError(
+                    error.errno,
+                    f"AttributionCallback: cannot create save_dir {self.save_dir!r} ({error.strerror}): "
+                    "give a folder you can write to",
+                ) from error
+            remove_orphaned_temp_files(self.save_dir)
+            self._written = claim_save_dir(self.save_dir, self.model.run_id, self._layout(), overwrite=self.overwrite)
+            # Rounds this model has not reached yet were written by another branch of the run (an older save resumed)
+            later = sorted(index for index in self._written if index >= self.model.n_rounds)
+            if later and not self.overwrite:
+                raise ValueError(
+                    f"AttributionCallback: save_dir {self.save_dir!r} already holds round(s) {later} of this run, which "
+                    f"this model has not reached (n_rounds={self.model.n_rounds}): it was loaded from a save older than "
+                    "those snapshots, so the two trainings would mix. Give it a new save_dir, or pass overwrite=True "
+                    "to delete those rounds"
+                )
+            for index in later:
+                os.remove(self._written.pop(index))
+
+    def _layout(self) -> dict[str, Any]:
+        """What makes this writer's snapshots one run with the folder's: the buffer's layout and the name prefix."""
+        return {"n_envs": int(self.model.n_envs), "n_steps": int(self.model.n_steps), "name_prefix": self.name_prefix}
 
     def score_requests(self, round_: InfluenceRound) -> Sequence[ScoreRequest]:
         if round_.index % self.every != 0:
@@ -276,11 +319,42 @@ class AttributionCallback(RoundCallback):
         for name, scores in self.scores.items():
             arrays[f"influence/{name}"] = scores
         path = snapshot_path(self.save_dir, self.name_prefix, round_.index, self.model.num_timesteps)
+        earlier = self._written.get(round_.index)
+        if earlier is not None and os.path.exists(earlier):
+            if not self.overwrite:
+                raise ValueError(
+                    f"AttributionCallback: save_dir already holds round {round_.index} of this run ({earlier}): this "
+                    "model was loaded from a save older than the snapshots there, so the two trainings would mix. Give "
+                    "it a new save_dir, or pass overwrite=True to replace the later rounds"
+                )
+            os.remove(earlier)
         filters = [source for source, _ in round_.drops]
-        save_snapshot(path, arrays, snapshot_metadata(self.model, list(self.scores), extra={"filters": filters}))
+        extra = {"filters": filters, "name_prefix": self.name_prefix}
+        save_snapshot(path, arrays, snapshot_metadata(self.model, list(self.scores), extra=extra))
+        self._written[round_.index] = path
         self.last_path = path
         if self.verbose >= 1:
             print(f"Saving attribution snapshot to {path}")
+
+
+def _check_save_dir(save_dir: str) -> str:
+    """A folder that exists, or that can be created: name the problem now rather than at the first snapshot."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ValueError(f"AttributionCallback: save_dir {save_dir!r} is a file, not a folder: give a folder path")
+    parent = os.path.abspath(save_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"AttributionCallback: save_dir {save_dir!r} cannot be created: {parent!r} is a file, not a folder. Give "
+            "another folder path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"AttributionCallback: save_dir {save_dir!r} is not writable ({parent!r} denies writing): give a folder "
+            "you can write to"
+        )
+    return save_dir
 
 
 def _pearson(x: np.ndarray, y: np.ndarray) -> float:

@@ -100,9 +100,31 @@ class ActionTarget:
     actions: Any
     name: str = "action"
 
+    def __post_init__(self) -> None:
+        # What can be checked without the model's spaces is checked now; the rest when a model first uses it
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(
+                f"ActionTarget: name must be a non-empty string (it names log keys and columns), got {self.name!r}"
+            )
+        values = self.observations.items() if isinstance(self.observations, dict) else [(None, self.observations)]
+        for key, value in values:
+            _numeric(value, "observations" if key is None else f"observations[{key!r}]")
+        if _numeric(self.actions, "actions").size == 0:
+            raise ValueError("ActionTarget: `actions` is empty, give at least one (observation, action) pair")
+
+    def check_spaces(self, observation_space: spaces.Space, action_space: spaces.Space) -> None:
+        """
+        Check the pairs against a model's spaces (what the callbacks call at ``_init_callback``).
+
+        :param observation_space: The policy's observation space.
+        :param action_space: The policy's action space.
+        """
+        self._validated_for(observation_space, action_space)
+
     def _validated(self, engine: ScoringEngine) -> tuple[Any, np.ndarray]:
-        observation_space = engine.policy.observation_space
-        action_space = engine.policy.action_space
+        return self._validated_for(engine.policy.observation_space, engine.policy.action_space)
+
+    def _validated_for(self, observation_space: spaces.Space, action_space: spaces.Space) -> tuple[Any, np.ndarray]:
         obs: Any
         if isinstance(observation_space, spaces.Dict):
             if not isinstance(self.observations, dict) or set(self.observations) != set(observation_space.spaces):
@@ -138,6 +160,12 @@ class ActionTarget:
             )
         if n_pairs == 0:
             raise ValueError("ActionTarget: give at least one (observation, action) pair")
+        _check_values(actions, action_space, "actions")
+        if isinstance(obs, dict):
+            for key, value in obs.items():
+                _check_values(value, observation_space.spaces[key], f"observations[{key!r}]")  # type: ignore[attr-defined]
+        else:
+            _check_values(obs, observation_space, "observations")
         return obs, actions
 
     def terms(self, engine: ScoringEngine, batch_size: int) -> Iterator[th.Tensor]:
@@ -147,6 +175,62 @@ class ActionTarget:
             chunk = slice(start, start + batch_size)
             chunk_obs = {key: value[chunk] for key, value in obs.items()} if isinstance(obs, dict) else obs[chunk]
             yield engine.log_prob(chunk_obs, actions[chunk]).sum() / n_pairs
+
+
+def _numeric(value: Any, argument: str) -> np.ndarray:
+    """``value`` as a numeric array, finite where it is float."""
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as error:  # ragged nested lists
+        raise ValueError(
+            f"ActionTarget: `{argument}` must be an array of numbers, got {type(value).__name__} ({error})"
+        ) from error
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"ActionTarget: `{argument}` must be an array of numbers, got dtype {array.dtype}")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        n_bad = int(np.count_nonzero(~np.isfinite(array)))
+        raise ValueError(f"ActionTarget: `{argument}` holds {n_bad} NaN or inf value(s); give finite values")
+    return array
+
+
+def _check_values(values: np.ndarray, space: spaces.Space, argument: str) -> None:
+    """Values a discrete space can hold: whole numbers in its range (a float 0.7 is never read as 0)."""
+    values = _numeric(values, argument)
+    if isinstance(space, spaces.Discrete):
+        low, high = np.asarray(space.start), np.asarray(space.start + space.n - 1)
+    elif isinstance(space, spaces.MultiDiscrete):
+        low, high = np.asarray(space.start), np.asarray(space.start + space.nvec - 1)
+    elif isinstance(space, spaces.MultiBinary):
+        low, high = np.asarray(0), np.asarray(1)
+    else:
+        return
+    if values.dtype.kind == "f" and not np.array_equal(values, np.round(values)):
+        first = values[values != np.round(values)].ravel()[0].item()
+        raise ValueError(
+            f"ActionTarget: `{argument}` must hold whole numbers for the space {space}, got {first!r}: it would be "
+            "truncated to another value. Pass the integer actions (observations) themselves"
+        )
+    outside = (values < low) | (values > high)
+    if outside.any():
+        first = values[outside].ravel()[0].item()
+        raise ValueError(
+            f"ActionTarget: `{argument}` must lie in [{low.min()}, {high.max()}] for the space {space}, "
+            f"got {first!r} ({int(np.count_nonzero(outside))} value(s) out of range)"
+        )
+
+
+def check_target(target: "Target", observation_space: spaces.Space, action_space: spaces.Space) -> None:
+    """
+    Check a target against a model's spaces when it can tell (``check_spaces``); other targets are checked when
+    they are scored.
+
+    :param target: The target.
+    :param observation_space: The policy's observation space.
+    :param action_space: The policy's action space.
+    """
+    check = getattr(target, "check_spaces", None)
+    if callable(check):
+        check(observation_space, action_space)
 
 
 def _with_batch(value: np.ndarray, space: spaces.Space, argument: str, key: str | None = None) -> np.ndarray:
