@@ -67,7 +67,7 @@ def return_target_gradient(model) -> dict:
     return {p: g for p, g in zip(params, grads, strict=True) if g is not None}
 
 
-def brute_force(model) -> np.ndarray:
+def brute_force(model, second_moment: bool = False) -> np.ndarray:
     """Replay the round; at every step, per-record autograd of the actual loss, the update map applied by hand."""
     replay = copy.deepcopy(model)
     v = return_target_gradient(replay)
@@ -78,7 +78,7 @@ def brute_force(model) -> np.ndarray:
     def step(info):
         params = [p for p in replay.policy.parameters()]
         grads = {p: p.grad.detach().clone() for p in params if p.grad is not None}
-        u = by_hand_update_map(info.optimizer, grads, v, info.total_steps - info.step)
+        u = by_hand_update_map(info.optimizer, grads, v, info.total_steps - info.step, second_moment)
         if info.clip_coef < 1:
             g = th.cat([grads[p].reshape(-1) for p in params if p in grads])
             u_flat = th.cat([u.get(p, th.zeros_like(grads[p])).reshape(-1) for p in params if p in grads])
@@ -98,7 +98,7 @@ def brute_force(model) -> np.ndarray:
     return replay.rollout_buffer.to_records(scores)
 
 
-def by_hand_update_map(optimizer, grads, v, steps_left):
+def by_hand_update_map(optimizer, grads, v, steps_left, second_moment):
     group = optimizer.param_groups[0]
     out = {}
     for p, direction in v.items():
@@ -127,9 +127,8 @@ def by_hand_update_map(optimizer, grads, v, steps_left):
             k = (1 - b1) * sum(b1**t / (1 - b1 ** (s + t)) for t in range(steps_left))
             k2 = (1 - b2) * sum(b2**t / (1 - b2 ** (s + t)) for t in range(steps_left))
             # d/dg of −lr·m̂/(√v̂+ε) through m̂ (momentum) and through v̂ (second moment), held over the look-ahead
-            out[p] = (
-                group["lr"] * (k / (root + group["eps"]) - k2 * m_hat * g / (root * (root + group["eps"]) ** 2)) * direction
-            )
+            moment_term = k2 * m_hat * g / (root * (root + group["eps"]) ** 2) if second_moment else 0.0
+            out[p] = group["lr"] * (k / (root + group["eps"]) - moment_term) * direction
     return out
 
 
@@ -223,3 +222,18 @@ def test_unknown_optimizer_is_a_clear_error():
     with pytest.raises(ValueError, match="target_gradient"):
         model.compute_influence(optimizer_aware=True, target_gradient="every")
     assert update_map  # the public helper is importable
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_second_moment_term_matches_brute_force(optimizer):
+    from sb3_influence import ReturnTarget
+    from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
+
+    model = float64_model(optimizer)
+    scorer = OptimizerAwareScorer(model, ReturnTarget(), 4096, second_moment=True)
+    model.replay_update([scorer])
+    expected = brute_force(model, second_moment=True)
+    np.testing.assert_allclose(
+        model.rollout_buffer.to_records(scorer.scores), expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max()
+    )
+    assert not np.allclose(expected, brute_force(model), rtol=1e-6)  # the term is not negligible in this round

@@ -58,8 +58,14 @@ def check_optimizer(optimizer: th.optim.Optimizer) -> None:
             raise ValueError("optimizer_aware scoring needs a minimising optimizer (maximize=False)")
 
 
+def _momentum_spread(beta: float, step: int, steps_left: int) -> float:
+    """``(1 − β) Σ_{t<steps_left} β^t / (1 − β^(step+t))``: how much of one gradient a bias-corrected EMA carries."""
+    t = np.arange(steps_left, dtype=np.float64)
+    return float((1 - beta) * np.sum(beta**t / (1 - beta ** (step + t))))
+
+
 def update_map(
-    optimizer: th.optim.Optimizer, v: dict[nn.Parameter, th.Tensor], steps_left: int, second_moment: bool = True
+    optimizer: th.optim.Optimizer, v: dict[nn.Parameter, th.Tensor], steps_left: int, second_moment: bool = False
 ) -> dict[nn.Parameter, th.Tensor]:
     """
     ``M_jᵀ v`` for the optimiser step about to be taken (called after ``backward()`` and clipping, before
@@ -71,12 +77,19 @@ def update_map(
     :param v: Direction per parameter (the target gradient).
     :param steps_left: Steps of the round from this one on (≥ 1).
     :param second_moment: Adam/AdamW: include the gradient's effect through the second-moment estimate v̂ (the
-        denominator), not only through the momentum.
+        denominator), not only through the momentum (measured: no change of the LDS, so off by default).
     :return: ``M_jᵀ v`` per parameter of ``v`` that the optimizer updates.
     """
     check_optimizer(optimizer)
     steps_left = max(1, int(steps_left))
     out: dict[nn.Parameter, th.Tensor] = {}
+    spreads: dict[tuple[float, int], float] = {}  # one geometric sum per (β, step), shared by the parameters
+
+    def spread_of(beta: float, step: int) -> float:
+        if (beta, step) not in spreads:
+            spreads[beta, step] = _momentum_spread(beta, step, steps_left)
+        return spreads[beta, step]
+
     for group in optimizer.param_groups:
         lr = float(group["lr"])
         for param in group["params"]:
@@ -97,14 +110,14 @@ def update_map(
                 root = (exp_avg_sq / (1 - beta2**step)).sqrt()
                 denominator = root + group["eps"]
                 # Bias-corrected momentum spreads this step's gradient over the rest of the round
-                spread = (1 - beta1) * sum(beta1**t / (1 - beta1 ** (step + t)) for t in range(steps_left))
+                spread = spread_of(beta1, step)
                 direction = lr * spread * v[param] / denominator
                 if second_moment:
                     # The gradient also enters v̂, the denominator of this and the later steps:
                     # ∂(m̂/(√v̂+ε))/∂v̂ = −m̂ / (2√v̂ (√v̂+ε)²), ∂v̂_t/∂g_j = 2(1−β2)β2^(t−j) g_j / (1−β2^s_t)
                     exp_avg = state.get("exp_avg", th.zeros_like(param)) * beta1 + (1 - beta1) * grad
                     m_hat = exp_avg / (1 - beta1**step)
-                    spread_v = (1 - beta2) * sum(beta2**t / (1 - beta2 ** (step + t)) for t in range(steps_left))
+                    spread_v = spread_of(beta2, step)
                     safe_root = th.where(root > 0, root, th.ones_like(root))
                     direction = direction - lr * spread_v * m_hat * grad * v[param] / (safe_root * denominator**2)
                 out[param] = direction
@@ -147,7 +160,7 @@ class OptimizerAwareScorer:
     """
 
     def __init__(
-        self, model: Any, target: Target, batch_size: int, target_gradient: str = "fixed", second_moment: bool = True
+        self, model: Any, target: Target, batch_size: int, target_gradient: str = "fixed", second_moment: bool = False
     ):
         if target_gradient not in ("fixed", "step"):
             raise ValueError(f"target_gradient must be 'fixed' or 'step', got {target_gradient!r}")
@@ -159,6 +172,7 @@ class OptimizerAwareScorer:
         self.target_gradient = target_gradient
         self.second_moment = second_moment
         self.scores = np.zeros(self.engine.buffer.n_records, dtype=np.float64)
+        self._named = dict(model.policy.named_parameters())  # the parameter objects never change
         self._v: dict[str, th.Tensor] | None = None
         self._calls: list[list[Any]] = []
         self._recording = False
@@ -206,7 +220,7 @@ class OptimizerAwareScorer:
             self._recording = True
 
     def _score_step(self, info: StepInfo) -> None:
-        named = dict(self.model.policy.named_parameters())
+        named = self._named
         v = self._target_gradient()
         if not v:
             return
