@@ -154,6 +154,11 @@ def summary(out: Path) -> None:
     rows = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
     if not rows:
         raise SystemExit(f"no result file in {RESULTS}: run the grid first")
+    for row in rows:
+        # LDS per subset size (pooling sizes would reward predicting the size), then averaged over the sizes
+        sizes = row["per_size"]
+        row["lds"] = {name: float(np.mean([size["lds"][name] for size in sizes])) for name in sizes[0]["lds"]}
+        row["ceiling"] = float(np.mean([size["ceiling"] for size in sizes]))
     lines = [
         "| env | optimizer | round | seed | subsets/size | " + " | ".join(f"LDS {name}" for name in SCORERS) + " | ceiling | "
         "best ≥ 80 % of ceiling | bottom-5 % drop (single / best), σ | in-run cost |",
