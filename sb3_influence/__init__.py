@@ -5,6 +5,8 @@ from sb3_influence.common.round import InfluenceRound, StepInfo
 from sb3_influence.common.scoring import InfluenceEngine, LayerScorer
 from sb3_influence.common.targets import ActionTarget, ReturnTarget, Target
 from sb3_influence.influence_ppo import InfluencePPO
+from sb3_influence.a2c import InfluenceA2C
+from sb3_influence.maskable import InfluenceMaskablePPO
 from sb3_influence.common.callbacks import AttributionCallback, IIFCallback
 from sb3_influence.common.extractors import MiniGridCNN
 from sb3_influence.common.snapshots import Snapshot, load_snapshot, load_snapshots
@@ -19,8 +21,10 @@ __all__ = [
     "ActionTarget",
     "AttributionCallback",
     "IIFCallback",
+    "InfluenceA2C",
     "InfluenceDictRolloutBuffer",
     "InfluenceEngine",
+    "InfluenceMaskablePPO",
     "InfluencePPO",
     "InfluenceRolloutBuffer",
     "InfluenceRound",

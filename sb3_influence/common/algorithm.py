@@ -140,6 +140,7 @@ class InfluenceAlgorithm:
         tb_log_name: str | None = None,
         reset_num_timesteps: bool = True,
         progress_bar: bool = False,
+        **kwargs: Any,
     ) -> SelfInfluenceAlgorithm:
         try:
             return super().learn(  # type: ignore[misc]
@@ -149,16 +150,21 @@ class InfluenceAlgorithm:
                 tb_log_name=tb_log_name or type(self).__name__,
                 reset_num_timesteps=reset_num_timesteps,
                 progress_bar=progress_bar,
+                # The SB3 algorithm's own learn() arguments (MaskablePPO's use_masking)
+                **kwargs,
             )
         finally:
             # Participants belong to one learn() call, even one that raised
             self._participants = ()
 
     def collect_rollouts(
-        self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int
+        self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int, *args: Any
     ) -> bool:
-        """Collect a rollout as ``PPO`` does, then run the round (scores, filters, observers) before the update."""
-        if not super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps):  # type: ignore[misc]
+        """
+        Collect a rollout as the SB3 algorithm does (``args``: its own extra arguments, such as MaskablePPO's
+        ``use_masking``), then run the round (scores, filters, observers) before the update.
+        """
+        if not super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps, *args):  # type: ignore[misc]
             return False
         # learn() does this right after the rollout: schedules evaluated in the round see the right progress
         sb3_compat.update_progress_remaining(self)
