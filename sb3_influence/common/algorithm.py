@@ -29,6 +29,7 @@ from sb3_influence.common.scoring import ENGINE_MODES, InfluenceEngine, LayerSco
 from sb3_influence.common.scoring.multi import MultiCheckpointScorer
 from sb3_influence.common.state import TrainingState, training_state
 from sb3_influence.common.targets import Target, as_target
+from sb3_influence.common.units import check_unit, trajectory_sums
 
 SelfInfluenceAlgorithm = TypeVar("SelfInfluenceAlgorithm", bound="InfluenceAlgorithm")
 
@@ -284,6 +285,7 @@ class InfluenceAlgorithm:
         batch_size: int | None = None,
         cache: bool = False,
         checkpoints: str = "single",
+        unit: str = "record",
     ) -> np.ndarray:
         """
         Influence of every record of the round the buffer holds on ``target``:
@@ -304,8 +306,17 @@ class InfluenceAlgorithm:
             holds record i of ``−⟨∇ℓ_i(θ_j), ∇f(θ_j)⟩``, with Â_i normalised in that minibatch. It replays the
             update from θ(k) with the kept records (same minibatches, same RNG) and restores the training state
             afterwards. About as costly as ``train()`` plus one target gradient per optimiser step.
-        :return: Float64 array of shape ``(n_steps, n_envs)``; ``[step, env]`` is the record at that position.
+        :param unit: ``"record"``: one score per record. ``"trajectory"``: one score per trajectory of the buffer
+            (see :mod:`sb3_influence.common.units`), the sum of its records' scores; map them back to the records
+            with ``rollout_buffer.trajectory_ids()`` (``scores[model.rollout_buffer.trajectory_ids()]`` is flat by
+            record id).
+        :return: Float64 array of shape ``(n_steps, n_envs)``; ``[step, env]`` is the record at that position. With
+            ``unit="trajectory"``: shape ``(n_trajectories,)``, indexed by trajectory id.
         """
+        check_unit(unit, "compute_influence")
+        if unit == "trajectory":
+            records = self.compute_influence(target, batch_size, cache, checkpoints)
+            return trajectory_sums(self.rollout_buffer.to_flat(records), self.rollout_buffer.trajectory_ids())
         if self.rollout_buffer is None or not self.rollout_buffer.full:
             raise RuntimeError(
                 "compute_influence() needs a full rollout buffer: call it from a callback's _on_rollout_end, "

@@ -18,6 +18,7 @@ from sb3_influence.common.filters import DropRule, resolve_drop_rule
 from sb3_influence.common.round import InfluenceModel, InfluenceRound, ScoreRequest
 from sb3_influence.common.snapshots import record_arrays, save_snapshot, snapshot_metadata, snapshot_path
 from sb3_influence.common.targets import Target, as_target
+from sb3_influence.common.units import check_unit, to_records, trajectory_sums
 
 # Only for logs: rich types (histograms) go to TensorBoard
 _TENSORBOARD_ONLY = ("stdout", "log", "json", "csv")
@@ -87,6 +88,10 @@ class IIFCallback(RoundCallback):
         0.0625 BipedalWalker in the paper).
     :param target: What the records are scored against: ``"return"`` (the paper's) or a ``Target``.
     :param rule: The drop rule: a name of :data:`~sb3_influence.common.filters.DROP_RULES` or a ``DropRule``.
+    :param unit: ``"record"``: the rule ranks records. ``"trajectory"``: the rule ranks the buffer's trajectories
+        by the sum of their records' scores and whole trajectories are dropped (see
+        :mod:`sb3_influence.common.units`); ``n``, ``n_neg`` and ``iif/n_negative`` then count trajectories
+        (``iif/n_dropped`` still counts records).
     :param verbose: Verbosity level: 0 no output, 1 one line per round.
     """
 
@@ -97,9 +102,11 @@ class IIFCallback(RoundCallback):
         fraction: float = 0.125,
         target: str | Target = "return",
         rule: str | DropRule = "neg-bottom",
+        unit: str = "record",
         verbose: int = 0,
     ):
         super().__init__(verbose)
+        self.unit = check_unit(unit, "IIFCallback")
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.integer, np.floating)):
             raise TypeError(f"IIFCallback: fraction must be a number in [0, 1], got {fraction!r}")
         if not 0.0 <= float(fraction) <= 1.0:
@@ -116,7 +123,7 @@ class IIFCallback(RoundCallback):
     def settings(self) -> dict[str, Any]:
         """What this filter does, as recorded in snapshots: fraction, rule and target."""
         rule = self.rule if isinstance(self.rule, str) else getattr(self.rule, "__name__", repr(self.rule))
-        return {"fraction": self.fraction, "rule": rule, "target": self.target.name}
+        return {"fraction": self.fraction, "rule": rule, "target": self.target.name, "unit": self.unit}
 
     def _init_callback(self) -> None:
         super()._init_callback()
@@ -133,10 +140,24 @@ class IIFCallback(RoundCallback):
     def score_requests(self, round_: InfluenceRound) -> Sequence[ScoreRequest]:
         return [ScoreRequest(self.target)]
 
+    def unit_scores(self, round_: InfluenceRound) -> np.ndarray:
+        """
+        The scores the rule ranks this round: flat by record id, or by trajectory id with ``unit="trajectory"``.
+
+        :param round_: The round, with its scores.
+        :return: Flat float array.
+        """
+        buffer = self.model.rollout_buffer
+        scores = buffer.to_flat(round_.score(ScoreRequest(self.target)))
+        return trajectory_sums(scores, buffer.trajectory_ids()) if self.unit == "trajectory" else scores
+
     def on_round(self, round_: InfluenceRound) -> None:
         buffer = self.model.rollout_buffer
-        scores = round_.score(ScoreRequest(self.target))
-        drop = buffer.to_records(self._drop_rule(buffer.to_flat(scores), self.fraction, self.round_rng(round_)))
+        scores = self.unit_scores(round_)
+        drop = self._drop_rule(scores, self.fraction, self.round_rng(round_))
+        if self.unit == "trajectory":
+            drop = to_records(drop, buffer.trajectory_ids())
+        drop = buffer.to_records(drop)
         n_dropped = self.model.drop_records(drop, source={"filter": type(self).__name__, **self.settings})
         self.last_drop = drop
         kept_fraction = float(np.mean(buffer.keep))
