@@ -133,3 +133,22 @@ def test_save_load_round_trip(tmp_path):
     assert params_equal(model, loaded)
     assert loaded.influence_method == "jvp" and loaded.n_rounds == 2
     assert isinstance(loaded.policy.optimizer, th.optim.RMSprop)
+
+
+def test_zoo_config_keys_are_parameters():
+    import inspect
+    import os
+
+    import yaml
+
+    path = os.path.join(os.path.dirname(__file__), "..", "zoo_configs", "influence_a2c.yml")
+    with open(path) as file:
+        config = yaml.safe_load(file)
+    zoo_keys = {"n_envs", "n_timesteps", "policy", "normalize", "callback", "env_wrapper", "env_kwargs"}
+    parameters = set(inspect.signature(InfluenceA2C.__init__).parameters)
+    for env_id, entry in config.items():
+        assert set(entry) - zoo_keys <= parameters, env_id
+        for item in entry.get("callback", []):
+            ((name, kwargs),) = item.items()
+            assert name == "sb3_influence.IIFCallback"
+            IIFCallback(**kwargs)
