@@ -161,3 +161,13 @@ def test_dtv_loo_callback_drops_opposing_trajectories():
 def test_bad_unit():
     with pytest.raises(ValueError, match="unit"):
         IIFCallback(unit="episode")
+
+
+def test_report_shows_trajectory_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    from sb3_influence.analysis import build_report
+
+    model = build(cls=InfluenceMaskablePPO, masked=True, n_steps=32)
+    model.learn(64, callback=[IIFCallback(fraction=1.0, unit="trajectory"), AttributionCallback(save_dir=str(tmp_path))])
+    page = build_report(tmp_path, top_k=2).read_text()
+    assert 'id="trajectories"' in page and "harmful" in page and "helpful" in page
