@@ -152,3 +152,30 @@ def test_zoo_config_keys_are_parameters():
             ((name, kwargs),) = item.items()
             assert name == "sb3_influence.IIFCallback"
             IIFCallback(**kwargs)
+
+
+@pytest.mark.parametrize("optimizer", ["rmsprop", "sgd"])
+def test_optimizer_aware_matches_brute_force_replay(optimizer):
+    """The optimizer-aware scorer on A2C's one-step update (record_losses, RMSprop's update map) vs per-record autograd."""
+    from test_optimizer_aware import OPTIMIZERS, Float64Flatten, brute_force
+
+    optimizer_class, optimizer_kwargs = OPTIMIZERS[optimizer]
+    model = InfluenceA2C(
+        "MlpPolicy",
+        make_env("box", "discrete"),
+        n_steps=32,
+        ent_coef=0.01,
+        normalize_advantage=True,
+        learning_rate=optimizer_kwargs["lr"],
+        seed=0,
+        policy_kwargs=dict(net_arch=[8], features_extractor_class=Float64Flatten),
+    )
+    model.policy.to(th.float64)
+    model.policy.optimizer = optimizer_class(model.policy.parameters(), **optimizer_kwargs)
+    collect_rollout(model)
+    model.train()  # a round that is not the optimizer's first
+    collect_rollout(model)
+    expected = brute_force(model)
+    scores = model.compute_influence(optimizer_aware=True)
+    assert np.abs(expected).max() > 0
+    np.testing.assert_allclose(scores, expected, rtol=1e-7, atol=1e-9 * np.abs(expected).max())

@@ -161,3 +161,16 @@ def test_bad_settings():
     model = InfluenceMaskablePPO("MlpPolicy", make_vec_env(lambda: make_env("box", "discrete"), n_envs=1), n_steps=16)
     with pytest.raises(ValueError, match="action masking"):
         model.learn(16)
+
+
+def test_optimizer_aware_scores_and_training_unchanged():
+    scores = {}
+
+    class Replay(AttributionCallback):
+        def on_round(self, round_):
+            scores.setdefault("replay", []).append(self.model.compute_influence(optimizer_aware=True))
+
+    reference = build(MaskablePPO).learn(64)
+    model = build(InfluenceMaskablePPO).learn(64, callback=[Replay(), IIFCallback(fraction=0.0, optimizer_aware=True)])
+    assert params_equal(reference, model)
+    assert np.isfinite(scores["replay"][0]).all() and np.abs(scores["replay"][0]).max() > 0

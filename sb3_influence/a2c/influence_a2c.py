@@ -1,4 +1,5 @@
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any, ClassVar, TypeVar
 
 import torch as th
@@ -13,7 +14,7 @@ from torch.nn import functional as F
 from sb3_influence.common import sb3_compat
 from sb3_influence.common.algorithm import InfluenceAlgorithm
 from sb3_influence.common.buffers import InfluenceDictRolloutBuffer, InfluenceRolloutBuffer
-from sb3_influence.common.round import StepHook, StepInfo
+from sb3_influence.common.round import CapturingStepHook, StepHook, StepInfo
 from sb3_influence.common.scoring import LayerScorer
 
 SelfInfluenceA2C = TypeVar("SelfInfluenceA2C", bound="InfluenceA2C")
@@ -55,6 +56,8 @@ class InfluenceA2C(InfluenceAlgorithm, A2C):
         "MultiInputPolicy": MultiInputActorCriticPolicy,
     }
     rollout_buffer: InfluenceRolloutBuffer | InfluenceDictRolloutBuffer  # type: ignore[assignment]
+    #: A2C has no value clipping (read, as PPO's, by optimizer-aware scoring)
+    clip_range_vf = None
 
     def __init__(
         self,
@@ -158,43 +161,58 @@ class InfluenceA2C(InfluenceAlgorithm, A2C):
         self.policy.set_training_mode(True)
         sb3_compat.update_learning_rate(self, optimizer)
 
-        # One minibatch: every kept record (the loop runs once)
-        for record_ids in buffer.kept_minibatches(round_.first_permutation, None):
-            rollout_data = buffer.samples(record_ids)
-            actions = rollout_data.actions
-            if isinstance(self.action_space, spaces.Discrete):
-                # Convert discrete action from float to long
-                actions = actions.long().flatten()
+        with ExitStack() as captures:
+            # In-run scorers watch the update's own forward and backward passes while it runs
+            for hook in step_hooks:
+                if isinstance(hook, CapturingStepHook):
+                    captures.enter_context(hook.capture(self.policy))
+            # One minibatch: every kept record (the loop runs once)
+            for record_ids in buffer.kept_minibatches(round_.first_permutation, None):
+                rollout_data = buffer.samples(record_ids)
+                actions = rollout_data.actions
+                if isinstance(self.action_space, spaces.Discrete):
+                    # Convert discrete action from float to long
+                    actions = actions.long().flatten()
 
-            values, log_prob, entropy = self.policy.evaluate_actions(rollout_data.observations, actions)
-            values = values.flatten()
+                values, log_prob, entropy = self.policy.evaluate_actions(rollout_data.observations, actions)
+                values = values.flatten()
 
-            # Normalize advantage (not present in the original implementation); not for a single record
-            advantages = rollout_data.advantages
-            if self.normalize_advantage and len(advantages) > 1:
-                advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+                # Normalize advantage (not present in the original implementation); not for a single record
+                advantages = rollout_data.advantages
+                if self.normalize_advantage and len(advantages) > 1:
+                    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
-            # Policy gradient loss
-            policy_loss = -(advantages * log_prob).mean()
-            # Value loss using the TD(gae_lambda) target
-            value_loss = F.mse_loss(rollout_data.returns, values)
-            # Entropy loss favours exploration (approximated when there is no analytical form)
-            entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
+                # Policy gradient loss
+                policy_loss = -(advantages * log_prob).mean()
+                # Value loss using the TD(gae_lambda) target
+                value_loss = F.mse_loss(rollout_data.returns, values)
+                # Entropy loss favours exploration (approximated when there is no analytical form)
+                entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
 
-            loss = policy_loss + self.ent_coef * entropy_loss + self.vf_coef * value_loss
+                loss = policy_loss + self.ent_coef * entropy_loss + self.vf_coef * value_loss
 
-            optimizer.zero_grad()
-            loss.backward()
-            total_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-            if step_hooks:
-                # On-policy, one step from the behaviour parameters: ratio 1, nothing clipped
-                ratio = th.ones_like(advantages)
-                info = StepInfo.from_loss(
-                    0, 0, record_ids, rollout_data, advantages, ratio, float("inf"), total_norm, self.max_grad_norm, optimizer
-                )
-                for hook in step_hooks:
-                    hook(info)
-            optimizer.step()
+                optimizer.zero_grad()
+                loss.backward()
+                total_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+                if step_hooks:
+                    # On-policy, one step from the behaviour parameters: ratio 1, nothing clipped
+                    ratio = th.ones_like(advantages)
+                    info = StepInfo.from_loss(
+                        0,
+                        0,
+                        record_ids,
+                        rollout_data,
+                        advantages,
+                        ratio,
+                        float("inf"),
+                        total_norm,
+                        self.max_grad_norm,
+                        optimizer,
+                        1,
+                    )
+                    for hook in step_hooks:
+                        hook(info)
+                optimizer.step()
 
         explained_var = explained_variance(buffer.values.flatten(), buffer.returns.flatten())
         sb3_compat.set_n_updates(self, sb3_compat.n_updates(self) + 1)
@@ -205,3 +223,22 @@ class InfluenceA2C(InfluenceAlgorithm, A2C):
         self.logger.record("train/value_loss", value_loss.item())
         if hasattr(self.policy, "log_std"):
             self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
+
+    def record_losses(self, samples: Any, advantages: th.Tensor, clip_range: float, clip_range_vf: float | None) -> th.Tensor:
+        """
+        The per-record terms of :meth:`update`'s loss at the current parameters:
+        ``−Â·log π + ent_coef · (−entropy) + vf_coef · (R − V)²``, so that the update's loss is their mean (up to
+        float rounding). Optimizer-aware scoring differentiates it.
+
+        :param samples: A minibatch, as ``rollout_buffer.samples(ids)`` returns it.
+        :param advantages: ``Â`` as the update used them.
+        :param clip_range: Ignored (A2C's loss has no ratio clip).
+        :param clip_range_vf: Ignored (no value clip).
+        :return: Shape ``(len(samples.actions),)``.
+        """
+        actions = samples.actions
+        if isinstance(self.action_space, spaces.Discrete):
+            actions = actions.long().flatten()
+        values, log_prob, entropy = self.policy.evaluate_actions(samples.observations, actions)
+        entropy_term = log_prob if entropy is None else -entropy
+        return -advantages * log_prob + self.ent_coef * entropy_term + self.vf_coef * (samples.returns - values.flatten()) ** 2

@@ -27,6 +27,7 @@ from sb3_influence.common.buffers import InfluenceDictRolloutBuffer, InfluenceRo
 from sb3_influence.common.round import CHECKPOINTS, InfluenceRound, RoundParticipant, ScoreRequest, StepHook
 from sb3_influence.common.scoring import ENGINE_MODES, InfluenceEngine, LayerScorer
 from sb3_influence.common.scoring.multi import MultiCheckpointScorer
+from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
 from sb3_influence.common.state import TrainingState, training_state
 from sb3_influence.common.targets import Target, as_target
 from sb3_influence.common.units import check_unit, trajectory_sums
@@ -210,7 +211,11 @@ class InfluenceAlgorithm:
         round_.participants_done = True
         for participant in self._participants:
             for request in participant.score_requests(round_):
-                self._score_request(request, round_)
+                if request.in_run:
+                    if all(request.key != other.key for other in round_.in_run):
+                        round_.in_run.append(request)
+                else:
+                    self._score_request(request, round_)
         for participant in self._participants:
             if participant.round_role == "filter":
                 participant.on_round(round_)
@@ -284,7 +289,9 @@ class InfluenceAlgorithm:
         target: str | Target = "return",
         batch_size: int | None = None,
         cache: bool = False,
-        checkpoints: str = "single",
+        checkpoints: str | None = None,
+        optimizer_aware: bool = False,
+        target_gradient: str = "fixed",
         unit: str = "record",
     ) -> np.ndarray:
         """
@@ -305,7 +312,14 @@ class InfluenceAlgorithm:
             (Sec. 3.1, TracIn-style): the sum over every optimiser step j of the round's update whose minibatch
             holds record i of ``−⟨∇ℓ_i(θ_j), ∇f(θ_j)⟩``, with Â_i normalised in that minibatch. It replays the
             update from θ(k) with the kept records (same minibatches, same RNG) and restores the training state
-            afterwards. About as costly as ``train()`` plus one target gradient per optimiser step.
+            afterwards. About as costly as ``train()`` plus one target gradient per optimiser step. Default:
+            ``"multi"`` when ``optimizer_aware``, else ``"single"``.
+        :param optimizer_aware: Score each record through the optimiser that actually ran: its actual PPO loss
+            gradient at every step (ratio, clip mask, value and entropy terms), the gradient-norm clip and the
+            optimizer's update map (Adam/AdamW with bias correction and momentum, SGD with momentum, RMSprop); see
+            :mod:`sb3_influence.common.scoring.optimizer_aware`. Replays the update like ``"multi"``.
+        :param target_gradient: With ``optimizer_aware``: ``"fixed"`` (∇f at θ(k), one target gradient) or
+            ``"step"`` (∇f at every θ_j).
         :param unit: ``"record"``: one score per record. ``"trajectory"``: one score per trajectory of the buffer
             (see :mod:`sb3_influence.common.units`), the sum of its records' scores; map them back to the records
             with ``rollout_buffer.trajectory_ids()`` (``scores[model.rollout_buffer.trajectory_ids()]`` is flat by
@@ -315,7 +329,7 @@ class InfluenceAlgorithm:
         """
         check_unit(unit, "compute_influence")
         if unit == "trajectory":
-            records = self.compute_influence(target, batch_size, cache, checkpoints)
+            records = self.compute_influence(target, batch_size, cache, checkpoints, optimizer_aware, target_gradient)
             return trajectory_sums(self.rollout_buffer.to_flat(records), self.rollout_buffer.trajectory_ids())
         if self.rollout_buffer is None or not self.rollout_buffer.full:
             raise RuntimeError(
@@ -326,9 +340,16 @@ class InfluenceAlgorithm:
             batch_size = self.influence_batch_size
         elif isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (records per scoring chunk), got {batch_size!r}")
+        if checkpoints is None:
+            checkpoints = "multi" if optimizer_aware else "single"
         if checkpoints not in CHECKPOINTS:
             raise ValueError(f"checkpoints must be one of {CHECKPOINTS}, got {checkpoints!r}")
-        request = ScoreRequest(as_target(target), checkpoints)
+        if target_gradient not in ("fixed", "step"):
+            raise ValueError(f"target_gradient must be 'fixed' or 'step', got {target_gradient!r}")
+        request = ScoreRequest(as_target(target), checkpoints, optimizer_aware=bool(optimizer_aware))
+        if target_gradient == "step":
+            # Not cached with the fixed-gradient scores: a different quantity
+            return self._compute(request, self.current_round(), int(batch_size), target_gradient)
         round_ = self.current_round()
         if cache and request.key in round_.scores:
             return round_.scores[request.key].copy()
@@ -343,40 +364,68 @@ class InfluenceAlgorithm:
             round_.scores[request.key] = self._compute(request, round_, self.influence_batch_size)
         return round_.scores[request.key]
 
-    def _compute(self, request: ScoreRequest, round_: InfluenceRound, batch_size: int) -> np.ndarray:
+    def _compute(
+        self, request: ScoreRequest, round_: InfluenceRound, batch_size: int, target_gradient: str = "fixed"
+    ) -> np.ndarray:
         moved = sb3_compat.n_updates(self) != round_.start_state.n_updates
         if request.checkpoints == "single" and not moved:
             flat = self._influence_engine.influence(request.target, self._flat_training_advantages(round_), batch_size)
             return self.rollout_buffer.to_records(flat)
+        if request.checkpoints == "single":
+            with training_state(self):
+                # From θ(k), whatever happened since; everything is put back afterwards
+                round_.start_state.restore(self, keep=False)
+                flat = self._influence_engine.influence(request.target, self._flat_training_advantages(round_), batch_size)
+            return self.rollout_buffer.to_records(flat)
+        scorer = self._multi_step_scorer(request, batch_size, target_gradient)
+        self.replay_update([scorer])
+        return self.rollout_buffer.to_records(scorer.scores)
+
+    def replay_update(self, step_hooks: Sequence[StepHook]) -> None:
+        """
+        Run the current round's update again from θ(k) (the round's captured training state: parameters,
+        optimizer, RNG) on the kept records, with ``step_hooks``; then put the model's training state back as it
+        was. Multi-checkpoint and optimizer-aware scores use it when they are needed before (or without) the update.
+
+        :param step_hooks: Per-optimiser-step subscribers.
+        """
+        round_ = self.current_round()
         with training_state(self):
-            # From θ(k), whatever happened since; everything is put back afterwards
             round_.start_state.restore(self, keep=False)
             sb3_compat.set_model_logger(self, Logger(folder=None, output_formats=[]))
-            if request.checkpoints == "single":
-                flat = self._influence_engine.influence(request.target, self._flat_training_advantages(round_), batch_size)
-            else:
-                scorer = MultiCheckpointScorer(self._influence_engine, request.target, batch_size)
-                self.update(step_hooks=[scorer])
-                flat = scorer.scores
-        return self.rollout_buffer.to_records(flat)
+            if self.rollout_buffer.flat_keep.any():
+                self.update(step_hooks=step_hooks)
+
+    def _multi_step_scorer(
+        self, request: ScoreRequest, batch_size: int, target_gradient: str = "fixed"
+    ) -> MultiCheckpointScorer | OptimizerAwareScorer:
+        if request.optimizer_aware:
+            return OptimizerAwareScorer(self, request.target, batch_size, target_gradient=target_gradient)
+        return MultiCheckpointScorer(self._influence_engine, request.target, batch_size)
 
     # ------------------------------------------------------------------ training
     def train(self) -> None:
         """
         The round's update: run the round if nothing ran it yet (scores, filters, observers), then
-        :meth:`update` on the kept records. With every record dropped the update is skipped with a warning.
+        :meth:`update` on the kept records, scoring the round's in-run requests on the way, then the
+        participants' ``after_update``. With every record dropped the update is skipped with a warning.
         """
-        self.run_round()
+        round_ = self.run_round()
         n_kept = int(self.rollout_buffer.flat_keep.sum())
         self.logger.record("train/n_kept_records", n_kept)
+        scorers = [self._multi_step_scorer(request, self.influence_batch_size) for request in round_.in_run]
         if n_kept == 0:
             warnings.warn(
                 "Every record of this rollout was dropped (rollout_buffer.keep is all False): skipping this PPO "
                 "update. Drop fewer records (e.g. a smaller IIFCallback fraction) to keep learning.",
                 UserWarning,
             )
-            return
-        self.update()
+        else:
+            self.update(step_hooks=scorers)
+        for request, scorer in zip(round_.in_run, scorers, strict=True):
+            round_.scores.setdefault(request.key, self.rollout_buffer.to_records(scorer.scores))
+        for participant in self._participants:
+            participant.after_update(round_)
 
     def update(self, step_hooks: Sequence[StepHook] = ()) -> None:
         """

@@ -63,6 +63,13 @@ class RoundCallback(BaseCallback):
         """
         raise NotImplementedError
 
+    def after_update(self, round_: InfluenceRound) -> None:
+        """
+        Called after the round's update, when in-run scores are ready (nothing by default).
+
+        :param round_: The round.
+        """
+
 
 class IIFCallback(RoundCallback):
     """
@@ -88,6 +95,8 @@ class IIFCallback(RoundCallback):
         0.0625 BipedalWalker in the paper).
     :param target: What the records are scored against: ``"return"`` (the paper's) or a ``Target``.
     :param rule: The drop rule: a name of :data:`~sb3_influence.common.filters.DROP_RULES` or a ``DropRule``.
+    :param optimizer_aware: Rank records by the optimizer-aware score (computed by replaying the update before the
+        real one: about twice the update's cost) instead of the paper's single-checkpoint SGD proxy.
     :param unit: ``"record"``: the rule ranks records. ``"trajectory"``: the rule ranks the buffer's trajectories
         by the sum of their records' scores and whole trajectories are dropped (see
         :mod:`sb3_influence.common.units`); ``n``, ``n_neg`` and ``iif/n_negative`` then count trajectories
@@ -102,6 +111,7 @@ class IIFCallback(RoundCallback):
         fraction: float = 0.125,
         target: str | Target = "return",
         rule: str | DropRule = "neg-bottom",
+        optimizer_aware: bool = False,
         unit: str = "record",
         verbose: int = 0,
     ):
@@ -117,13 +127,23 @@ class IIFCallback(RoundCallback):
         self.target = as_target(target)
         self.rule = rule
         self._drop_rule = resolve_drop_rule(rule, owner="IIFCallback")
+        if not isinstance(optimizer_aware, bool):
+            raise TypeError(f"IIFCallback: optimizer_aware must be True or False, got {optimizer_aware!r}")
+        self.optimizer_aware = optimizer_aware
+        self.request = ScoreRequest(self.target, "multi" if optimizer_aware else "single", optimizer_aware=optimizer_aware)
         self.last_drop: np.ndarray | None = None
 
     @property
     def settings(self) -> dict[str, Any]:
         """What this filter does, as recorded in snapshots: fraction, rule and target."""
         rule = self.rule if isinstance(self.rule, str) else getattr(self.rule, "__name__", repr(self.rule))
-        return {"fraction": self.fraction, "rule": rule, "target": self.target.name, "unit": self.unit}
+        return {
+            "fraction": self.fraction,
+            "rule": rule,
+            "target": self.target.name,
+            "optimizer_aware": self.optimizer_aware,
+            "unit": self.unit,
+        }
 
     def _init_callback(self) -> None:
         super()._init_callback()
@@ -138,7 +158,7 @@ class IIFCallback(RoundCallback):
         return np.random.default_rng([self._seed_entropy, round_.index])
 
     def score_requests(self, round_: InfluenceRound) -> Sequence[ScoreRequest]:
-        return [ScoreRequest(self.target)]
+        return [self.request]
 
     def unit_scores(self, round_: InfluenceRound) -> np.ndarray:
         """
@@ -148,7 +168,7 @@ class IIFCallback(RoundCallback):
         :return: Flat float array.
         """
         buffer = self.model.rollout_buffer
-        scores = buffer.to_flat(round_.score(ScoreRequest(self.target)))
+        scores = buffer.to_flat(round_.score(self.request))
         return trajectory_sums(scores, buffer.trajectory_ids()) if self.unit == "trajectory" else scores
 
     def on_round(self, round_: InfluenceRound) -> None:
@@ -186,6 +206,8 @@ class AttributionCallback(RoundCallback):
     :param every: Score every ``every`` rounds (rounds 0, every, 2·every, ...).
     :param name_prefix: File name prefix of the snapshots.
     :param log_histogram: Log a histogram of the scores to TensorBoard.
+    :param optimizer_aware: Score with the optimizer-aware in-run influence, computed during the round's real
+        update from its own forward and backward passes (no replay); logs and the snapshot then come after the update.
     :param verbose: Verbosity level: 0 no output, 1 one line per snapshot.
     """
 
@@ -198,9 +220,13 @@ class AttributionCallback(RoundCallback):
         every: int = 1,
         name_prefix: str = "snapshot",
         log_histogram: bool = True,
+        optimizer_aware: bool = False,
         verbose: int = 0,
     ):
         super().__init__(verbose)
+        if not isinstance(optimizer_aware, bool):
+            raise TypeError(f"AttributionCallback: optimizer_aware must be True or False, got {optimizer_aware!r}")
+        self.optimizer_aware = optimizer_aware
         if isinstance(targets, (str, Target)):
             targets = [targets]
         self.targets = [as_target(target) for target in targets]
@@ -232,6 +258,8 @@ class AttributionCallback(RoundCallback):
     def score_requests(self, round_: InfluenceRound) -> Sequence[ScoreRequest]:
         if round_.index % self.every != 0:
             return ()
+        if self.optimizer_aware:
+            return [ScoreRequest(target, "multi", optimizer_aware=True, in_run=True) for target in self.targets]
         return [ScoreRequest(target) for target in self.targets]
 
     def _log(self, round_: InfluenceRound) -> None:
@@ -249,6 +277,14 @@ class AttributionCallback(RoundCallback):
                 self.logger.record(f"{prefix}/hist", scores.ravel().astype(np.float32), exclude=_TENSORBOARD_ONLY)
 
     def on_round(self, round_: InfluenceRound) -> None:
+        if not self.optimizer_aware:
+            self._report(round_)
+
+    def after_update(self, round_: InfluenceRound) -> None:
+        if self.optimizer_aware:
+            self._report(round_)
+
+    def _report(self, round_: InfluenceRound) -> None:
         requests = self.score_requests(round_)
         self.scores = {request.target.name: round_.score(request) for request in requests}
         if not self.scores:

@@ -78,6 +78,7 @@ class DTVLooCallback(IIFCallback):
         """What this filter does, as recorded in snapshots: fraction, rule, scorer and unit."""
         settings = dict(super().settings)
         settings.pop("target")
+        settings.pop("optimizer_aware")
         settings["scorer"] = "dtv-loo"
         return settings
 

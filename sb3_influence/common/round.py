@@ -11,7 +11,9 @@ Round k of an influence algorithm goes, in this order and once per rollout:
 4. the *filters* (``IIFCallback``...) clear records from the keep mask, in the order they were given;
 5. the *observers* (``AttributionCallback``, the analysis callbacks) read the scores and the final mask;
 6. the update runs on the kept records. At every optimiser step it calls the step hooks it was given with a
-   :class:`StepInfo` (multi-checkpoint scoring subscribes there; nothing is patched).
+   :class:`StepInfo` (multi-checkpoint and optimizer-aware scoring subscribe there; nothing is patched);
+   requests marked ``in_run`` are scored there, from the update's own forward and backward passes;
+7. participants' ``after_update`` reads the in-run scores.
 
 Participants are the callbacks of the current ``learn()`` call that implement :class:`RoundParticipant`; the
 model finds them in the callback list it was given, so two models never share participants and a callback of
@@ -19,6 +21,7 @@ a ``learn()`` that raised never acts on a later one.
 """
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -47,6 +50,9 @@ class StepInfo:
         gradient is zero at this step.
     :param clip_coef: The gradient-norm clipping factor ``min(1, max_grad_norm / ‖g‖)`` applied to this step.
     :param optimizer: The optimizer about to step.
+    :param total_steps: The optimiser steps the round's update plans (``n_epochs`` × minibatches; fewer happen
+        when ``target_kl`` stops it early).
+    :param clip_range: The ratio clip ε of this update (``inf`` when the loss has none).
     """
 
     epoch: int
@@ -58,6 +64,8 @@ class StepInfo:
     clipped: th.Tensor
     clip_coef: float
     optimizer: th.optim.Optimizer
+    total_steps: int
+    clip_range: float
 
     @classmethod
     def from_loss(
@@ -72,6 +80,7 @@ class StepInfo:
         total_norm: th.Tensor,
         max_grad_norm: float,
         optimizer: th.optim.Optimizer,
+        total_steps: int,
     ) -> "StepInfo":
         """
         The step's info from the quantities of the clipped surrogate loss.
@@ -79,6 +88,7 @@ class StepInfo:
         :param clip_range: The ratio clip ε (``inf`` for an unclipped loss such as A2C's).
         :param total_norm: The gradient norm ``clip_grad_norm_`` returned.
         :param max_grad_norm: Its ``max_norm``.
+        :param total_steps: The optimiser steps the round's update plans.
         """
         advantages = advantages.detach()
         ratio = ratio.detach()
@@ -86,13 +96,35 @@ class StepInfo:
         clipped = ((advantages > 0) & (ratio > 1 + clip_range)) | ((advantages < 0) & (ratio < 1 - clip_range))
         # torch.nn.utils.clip_grad_norm_ scales by max_norm / (norm + 1e-6), capped at 1
         clip_coef = min(1.0, max_grad_norm / (float(total_norm) + 1e-6))
-        return cls(epoch, step, np.asarray(record_ids), samples, advantages, ratio, clipped, clip_coef, optimizer)
+        return cls(
+            epoch,
+            step,
+            np.asarray(record_ids),
+            samples,
+            advantages,
+            ratio,
+            clipped,
+            clip_coef,
+            optimizer,
+            total_steps,
+            clip_range,
+        )
 
 
 class StepHook(Protocol):
     """A per-optimiser-step subscriber of the update: ``hook(info)``; it must not change parameters or ``.grad``."""
 
     def __call__(self, info: StepInfo) -> None: ...
+
+
+@runtime_checkable
+class CapturingStepHook(StepHook, Protocol):
+    """
+    A step hook that also watches the update's own forward and backward passes (in-run scoring): the update
+    enters ``hook.capture(policy)`` around its whole loop, so the hook can register module hooks and remove them.
+    """
+
+    def capture(self, policy: Any) -> AbstractContextManager[None]: ...
 
 
 @dataclass(frozen=True)
@@ -102,19 +134,33 @@ class ScoreRequest:
 
     :param target: The target f.
     :param checkpoints: ``"single"`` (at θ(k)) or ``"multi"`` (summed over the update's optimiser steps).
+    :param optimizer_aware: Score through the optimiser that ran (see
+        :mod:`sb3_influence.common.scoring.optimizer_aware`); needs ``checkpoints="multi"``.
+    :param in_run: Compute it during the round's real update (no replay), so it is ready only after the update:
+        participants read it in ``after_update``. Only for optimizer-aware requests.
     """
 
     target: Target
     checkpoints: str = "single"
+    optimizer_aware: bool = False
+    in_run: bool = False
+
+    def __post_init__(self) -> None:
+        if self.checkpoints not in CHECKPOINTS:
+            raise ValueError(f"checkpoints must be one of {CHECKPOINTS}, got {self.checkpoints!r}")
+        if self.optimizer_aware and self.checkpoints != "multi":
+            raise ValueError("optimizer_aware=True scores every optimiser step of the update: use checkpoints='multi'")
+        if self.in_run and not self.optimizer_aware:
+            raise ValueError("in_run=True is only for optimizer-aware requests")
 
     @property
-    def key(self) -> tuple[Any, str]:
-        """Requests with equal keys are scored once per round."""
+    def key(self) -> tuple[Any, str, bool]:
+        """Requests with equal keys are scored once per round (in-run and replayed scores are the same numbers)."""
         try:
             hash(self.target)
         except TypeError:
-            return (("id", id(self.target)), self.checkpoints)
-        return (("target", self.target), self.checkpoints)
+            return (("id", id(self.target)), self.checkpoints, self.optimizer_aware)
+        return (("target", self.target), self.checkpoints, self.optimizer_aware)
 
 
 @dataclass
@@ -130,6 +176,7 @@ class InfluenceRound:
     :param start_state: The training state at θ(k).
     :param scores: Scores computed this round, by :attr:`ScoreRequest.key`, shape ``(n_steps, n_envs)``.
     :param drops: ``(source, drop mask)`` in the order the filters acted (``source`` describes the filter).
+    :param in_run: Requests to score during the real update (step 6), in the order first requested.
     :param participants_done: True once steps 3-5 ran.
     """
 
@@ -140,6 +187,7 @@ class InfluenceRound:
     start_state: TrainingState
     scores: dict[Any, np.ndarray] = field(default_factory=dict)
     drops: list[tuple[Any, np.ndarray]] = field(default_factory=list)
+    in_run: list[ScoreRequest] = field(default_factory=list)
     participants_done: bool = False
 
     def score(self, request: ScoreRequest) -> np.ndarray:
@@ -169,6 +217,10 @@ class RoundParticipant(Protocol):
 
     def on_round(self, round_: InfluenceRound) -> None:
         """Act on the round: filters call ``model.drop_records``; observers log, save or analyse."""
+        ...
+
+    def after_update(self, round_: InfluenceRound) -> None:
+        """After the round's update (step 7): read in-run scores."""
         ...
 
 
