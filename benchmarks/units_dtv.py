@@ -93,7 +93,7 @@ def run_one(env_name: str, arm: str, seed: int, args: argparse.Namespace) -> Non
         ),
     )
     evaluations: list[dict[str, float]] = []
-    start = time.time()
+    start, cpu_start = time.time(), time.process_time()
     callback = make_callback(arm)
     for round_ in range(args.rounds):
         model.learn(args.n_steps, callback=callback, reset_num_timesteps=round_ == 0)
@@ -119,6 +119,7 @@ def run_one(env_name: str, arm: str, seed: int, args: argparse.Namespace) -> Non
             "evaluations": evaluations,
             "final_return": evaluations[-1]["return"],
             "wall_seconds": time.time() - start,
+            "cpu_seconds": time.process_time() - cpu_start,
         },
     )
 
