@@ -5,7 +5,10 @@ from sb3_influence.common.round import InfluenceRound, StepInfo
 from sb3_influence.common.scoring import InfluenceEngine, LayerScorer
 from sb3_influence.common.targets import ActionTarget, ReturnTarget, Target
 from sb3_influence.influence_ppo import InfluencePPO
+from sb3_influence.a2c import InfluenceA2C
+from sb3_influence.maskable import InfluenceMaskablePPO
 from sb3_influence.common.callbacks import AttributionCallback, IIFCallback
+from sb3_influence.common.dtv import DTVLooCallback, dtv_loo_scores
 from sb3_influence.common.extractors import MiniGridCNN
 from sb3_influence.common.snapshots import Snapshot, SnapshotError, load_snapshot, load_snapshots
 from sb3_influence.common.state import TrainingState, training_state
@@ -18,9 +21,12 @@ with open(version_file) as file_handler:
 __all__ = [
     "ActionTarget",
     "AttributionCallback",
+    "DTVLooCallback",
     "IIFCallback",
+    "InfluenceA2C",
     "InfluenceDictRolloutBuffer",
     "InfluenceEngine",
+    "InfluenceMaskablePPO",
     "InfluencePPO",
     "InfluenceRolloutBuffer",
     "InfluenceRound",
@@ -33,6 +39,7 @@ __all__ = [
     "Target",
     "TrainingState",
     "__version__",
+    "dtv_loo_scores",
     "load_snapshot",
     "load_snapshots",
     "training_state",

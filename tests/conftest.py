@@ -186,6 +186,80 @@ def reference_return_target(model):
     return target
 
 
+# ---------------------------------------------------------------------- masked envs and per-record gradients
+class MaskedSpaceEnv(SpaceEnv):
+    """``SpaceEnv`` with random invalid-action masks (at least one valid choice per sub-action), for MaskablePPO."""
+
+    def _draw_mask(self) -> None:
+        space = self.action_space
+        sizes = (
+            [int(space.n)]
+            if isinstance(space, spaces.Discrete)
+            else list(space.nvec)
+            if isinstance(space, spaces.MultiDiscrete)
+            else [2] * int(space.n)
+        )
+        parts = []
+        for size in sizes:
+            part = self.np_random.random(size) < 0.6
+            part[self.np_random.integers(size)] = True
+            parts.append(part)
+        self._mask = np.concatenate(parts)
+
+    def reset(self, *, seed=None, options=None):
+        obs, info = super().reset(seed=seed, options=options)
+        self._draw_mask()
+        return obs, info
+
+    def step(self, action):
+        result = super().step(action)
+        self._draw_mask()
+        return result
+
+    def action_masks(self) -> np.ndarray:
+        return self._mask
+
+
+def make_masked_env(obs: str = "box", action: str = "discrete", ep_length: int = 20) -> MaskedSpaceEnv:
+    return MaskedSpaceEnv(OBSERVATION_SPACES[obs], ACTION_SPACES[action], ep_length=ep_length)
+
+
+def reference_masked_log_prob(policy, obs, actions, masks=None) -> th.Tensor:
+    """log π(a|s) through SB3's modules, masked as sb3-contrib's MaskableActorCriticPolicy masks it."""
+    dtype = next(policy.parameters()).dtype
+    pre = preprocess_obs(obs, policy.observation_space, normalize_images=policy.normalize_images)
+    pre = {k: v.to(dtype) for k, v in pre.items()} if isinstance(pre, dict) else pre.to(dtype)
+    latent = policy.mlp_extractor.forward_actor(policy.pi_features_extractor(pre))
+    dist = policy._get_action_dist_from_latent(latent)
+    if masks is not None:
+        dist.apply_masking(masks)
+    if isinstance(policy.action_space, spaces.Discrete):
+        actions = actions.long().flatten()
+    else:
+        actions = actions.to(dtype)
+    return dist.log_prob(actions)
+
+
+def reference_log_prob_grads(model, use_masks: bool = True) -> th.Tensor:
+    """Row i: ∇θ log π(a_i|s_i) of record i (flat by record id), one autograd call per record, with its stored mask."""
+    policy = model.policy
+    params = [p for p in policy.parameters() if p.requires_grad]
+    obs, actions = buffer_tensors(model)
+    buffer = model.rollout_buffer
+    masks = getattr(buffer, "action_masks", None)
+    if masks is not None and use_masks:
+        masks = th.as_tensor(masks if buffer.generator_ready else buffer.to_flat(masks))
+    else:
+        masks = None
+    rows = []
+    for i in range(buffer.n_records):
+        mask = None if masks is None else masks[i : i + 1]
+        log_prob = reference_masked_log_prob(policy, index_obs(obs, i), actions[i : i + 1], mask).sum()
+        grads = th.autograd.grad(log_prob, params, allow_unused=True)
+        rows.append(th.cat([(th.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads, strict=True)]))
+    return th.stack(rows).detach()
+
+
 @pytest.fixture(autouse=True)
 def _single_thread():
     # Two pytest workers on two cores: one thread each

@@ -50,8 +50,8 @@ def test_round_trip_through_load_snapshots(tmp_path):
     n_steps, n_envs = 32, 2
     assert len(frame) == 3 * n_steps * n_envs
     expected_columns = [
-        "round", "num_timesteps", "env", "step", "record_id", "reward", "advantage", "training_advantage", "return",
-        "value", "log_prob", "episode_start", "keep", "influence_return", "action", "obs",
+        "round", "num_timesteps", "env", "step", "record_id", "trajectory_id", "reward", "advantage", "training_advantage",
+        "return", "value", "log_prob", "episode_start", "keep", "influence_return", "action", "obs",
     ]  # fmt: skip
     assert list(frame.columns) == expected_columns
     assert list(frame["num_timesteps"].unique()) == [64, 128, 192]

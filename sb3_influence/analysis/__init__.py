@@ -5,7 +5,8 @@ The paper's three applications (Sec. 4: diagnosis, behaviour formation, interven
   influence-advantage correlation;
 - :mod:`~sb3_influence.analysis.formation`: behaviour formation across rounds, graph roughness;
 - :mod:`~sb3_influence.analysis.intervention`: retrain a round without chosen records;
-- :mod:`~sb3_influence.analysis.report`: ``sb3-influence report RUN_DIR``.
+- :mod:`~sb3_influence.analysis.report`: ``sb3-influence report RUN_DIR``;
+- :mod:`~sb3_influence.analysis.trajectories`: one row per ``(round, trajectory)`` of snapshots.
 
 pandas, matplotlib and scipy are imported inside the functions that need them.
 """
@@ -21,6 +22,7 @@ from sb3_influence.analysis.diagnosis import (
 from sb3_influence.analysis.formation import behaviour_formation, graph_roughness, plot_phases, state_embeddings
 from sb3_influence.analysis.intervention import InterventionCallback, drop_mask, intervene, target_value
 from sb3_influence.analysis.report import build_report
+from sb3_influence.analysis.trajectories import trajectory_frame
 
 __all__ = [
     "DiagnosisCallback",
@@ -38,4 +40,5 @@ __all__ = [
     "tabular_true_advantages",
     "target_value",
     "top_bottom_records",
+    "trajectory_frame",
 ]

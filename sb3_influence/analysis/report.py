@@ -200,6 +200,25 @@ def _records_table(snapshot: Snapshot, target: str | None, top_k: int) -> str:
     return '<div class="wide">' + table.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0) + "</div>"
 
 
+def _trajectories_table(snapshot: Snapshot, target: str, top_k: int) -> str:
+    """The ``top_k`` most harmful and most helpful trajectories of one snapshot (summed influence)."""
+    from sb3_influence.analysis.trajectories import trajectory_frame
+
+    rows = trajectory_frame([snapshot]).sort_values(f"influence_{target}", kind="stable")
+    columns = ["trajectory_id", "env", "first_step", "length", "reward", "advantage", f"influence_{target}", "kept_fraction"]
+    table = _harmful_and_helpful(rows[columns], top_k)
+    return '<div class="wide">' + table.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0) + "</div>"
+
+
+def _harmful_and_helpful(rows: "pd.DataFrame", top_k: int) -> "pd.DataFrame":
+    """The first (most harmful) and last (most helpful) ``top_k`` rows, labelled, without repeating a row."""
+    import pandas as pd
+
+    bottom = rows.head(top_k).assign(group="harmful")
+    top = rows.iloc[max(len(rows) - top_k, min(top_k, len(rows))) :].iloc[::-1].assign(group="helpful")
+    return pd.concat([bottom, top], ignore_index=True)
+
+
 def _filtering(snapshots: list[Snapshot]) -> str:
     """One line saying which filters acted on the reported rounds, with their settings."""
     settings: list[str] = []
@@ -276,6 +295,10 @@ def build_report(
     parts.append(_records_table(last, target, int(top_k)))
     parts.append('<h2 id="summary">Per-round summary</h2>')
     parts.append('<div class="wide">' + summary.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0) + "</div>")
+    if "trajectory_id" in last.arrays:
+        parts.append(f'<h2 id="trajectories">Most harmful and most helpful trajectories of round {last.round}</h2>')
+        parts.append(_trajectories_table(last, target, int(top_k)))
+        parts.append('<p class="note">Trajectory influence is the sum of its records\' influence (Units and rules).</p>')
     parts.append('<h2 id="metadata">Run metadata (last snapshot)</h2>')
     parts.append(f"<pre>{html.escape(json.dumps(metadata, indent=2, sort_keys=True, default=str))}</pre>")
     names = ", ".join(p.name for p in files[:5]) + (" ..." if len(files) > 5 else "")

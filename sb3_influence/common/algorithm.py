@@ -32,6 +32,7 @@ from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
 from sb3_influence.common.scoring.unrolled import unrolled_influence
 from sb3_influence.common.state import TrainingState, training_state
 from sb3_influence.common.targets import Target, as_target
+from sb3_influence.common.units import check_unit, trajectory_sums
 
 SelfInfluenceAlgorithm = TypeVar("SelfInfluenceAlgorithm", bound="InfluenceAlgorithm")
 
@@ -145,6 +146,7 @@ class InfluenceAlgorithm:
         tb_log_name: str | None = None,
         reset_num_timesteps: bool = True,
         progress_bar: bool = False,
+        **kwargs: Any,
     ) -> SelfInfluenceAlgorithm:
         try:
             return super().learn(  # type: ignore[misc]
@@ -154,17 +156,22 @@ class InfluenceAlgorithm:
                 tb_log_name=tb_log_name or type(self).__name__,
                 reset_num_timesteps=reset_num_timesteps,
                 progress_bar=progress_bar,
+                # The SB3 algorithm's own learn() arguments (MaskablePPO's use_masking)
+                **kwargs,
             )
         finally:
             # Participants belong to one learn() call, even one that raised
             self._participants = ()
 
     def collect_rollouts(
-        self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int
+        self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int, *args: Any
     ) -> bool:
-        """Collect a rollout as ``PPO`` does, then run the round (scores, filters, observers) before the update."""
+        """
+        Collect a rollout as the SB3 algorithm does (``args``: its own extra arguments, such as MaskablePPO's
+        ``use_masking``), then run the round (scores, filters, observers) before the update.
+        """
         try:
-            collected = super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)  # type: ignore[misc]
+            collected = super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps, *args)  # type: ignore[misc]
         except ValueError as error:
             self._explain_invalid_values(error, f"during the rollout of round {self.n_rounds}")
             raise
@@ -296,6 +303,7 @@ class InfluenceAlgorithm:
         checkpoints: str | None = None,
         optimizer_aware: bool | str = False,
         target_gradient: str = "fixed",
+        unit: str = "record",
     ) -> np.ndarray:
         """
         Influence of every record of the round the buffer holds on ``target``:
@@ -326,8 +334,17 @@ class InfluenceAlgorithm:
             :mod:`sb3_influence.common.scoring.unrolled`).
         :param target_gradient: With ``optimizer_aware``: ``"fixed"`` (∇f at θ(k), one target gradient) or
             ``"step"`` (∇f at every θ_j).
-        :return: Float64 array of shape ``(n_steps, n_envs)``; ``[step, env]`` is the record at that position.
+        :param unit: ``"record"``: one score per record. ``"trajectory"``: one score per trajectory of the buffer
+            (see :mod:`sb3_influence.common.units`), the sum of its records' scores; map them back to the records
+            with ``rollout_buffer.trajectory_ids()`` (``scores[model.rollout_buffer.trajectory_ids()]`` is flat by
+            record id).
+        :return: Float64 array of shape ``(n_steps, n_envs)``; ``[step, env]`` is the record at that position. With
+            ``unit="trajectory"``: shape ``(n_trajectories,)``, indexed by trajectory id.
         """
+        check_unit(unit, "compute_influence")
+        if unit == "trajectory":
+            records = self.compute_influence(target, batch_size, cache, checkpoints, optimizer_aware, target_gradient)
+            return trajectory_sums(self.rollout_buffer.to_flat(records), self.rollout_buffer.trajectory_ids())
         if self.rollout_buffer is None or not self.rollout_buffer.full:
             raise RuntimeError(
                 "compute_influence() needs a full rollout buffer: call it from a callback's _on_rollout_end, "

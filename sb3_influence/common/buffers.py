@@ -105,6 +105,28 @@ class InfluenceRolloutBufferMixin:
         """Flatten the stored arrays to record-id order, as ``RolloutBuffer.get`` does on its first call."""
         raise NotImplementedError
 
+    def record_action_masks(self, ids: np.ndarray) -> np.ndarray | None:
+        """
+        The invalid-action masks of the records ``ids`` (buffers of masked policies override this).
+
+        :param ids: Flat record ids.
+        :return: Array of shape ``(len(ids), mask_dims)``, or ``None``: the records carry no masks.
+        """
+        return None
+
+    def trajectory_ids(self) -> np.ndarray:
+        """
+        The trajectory of every record: a trajectory is a maximal run of one env's records inside the buffer,
+        from an episode start (or the buffer's first step) to the step before the next episode start (or the
+        buffer's last step). Trajectories are numbered 0, 1, ... in record-id order (env by env, in time order).
+
+        :return: Flat int64 array indexed by record id.
+        """
+        starts = np.array(self.flat_field("episode_starts"), dtype=bool).reshape(self.n_records)
+        # Each env's first record starts a trajectory, whatever episode it continues
+        starts[:: self.buffer_size] = True
+        return np.cumsum(starts, dtype=np.int64) - 1
+
     def kept_minibatches(self, order: np.ndarray, batch_size: int | None) -> list[np.ndarray]:
         """
         Split the kept records, in the given order, into minibatches (what one epoch of the update walks).

@@ -25,6 +25,7 @@ from sb3_influence.common.snapshots import (
     snapshot_path,
 )
 from sb3_influence.common.targets import Target, as_target, check_target
+from sb3_influence.common.units import check_unit, to_records, trajectory_sums
 
 # Only for logs: rich types (histograms) go to TensorBoard
 _TENSORBOARD_ONLY = ("stdout", "log", "json", "csv")
@@ -104,6 +105,10 @@ class IIFCallback(RoundCallback):
     :param optimizer_aware: Rank records by the optimizer-aware score instead of the paper's single-checkpoint SGD
         proxy: ``True`` (in-run score, by replaying the update before the real one: about twice the update's cost)
         or ``"unrolled"`` (through the whole update, the most faithful under Adam: about 5x).
+    :param unit: ``"record"``: the rule ranks records. ``"trajectory"``: the rule ranks the buffer's trajectories
+        by the sum of their records' scores and whole trajectories are dropped (see
+        :mod:`sb3_influence.common.units`); ``n``, ``n_neg`` and ``iif/n_negative`` then count trajectories
+        (``iif/n_dropped`` still counts records).
     :param verbose: Verbosity level: 0 no output, 1 one line per round.
     """
 
@@ -115,9 +120,11 @@ class IIFCallback(RoundCallback):
         target: str | Target = "return",
         rule: str | DropRule = "neg-bottom",
         optimizer_aware: bool | str = False,
+        unit: str = "record",
         verbose: int = 0,
     ):
         super().__init__(verbose)
+        self.unit = check_unit(unit, "IIFCallback")
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.integer, np.floating)):
             raise TypeError(f"IIFCallback: fraction must be a number in [0, 1], got {fraction!r}")
         if not 0.0 <= float(fraction) <= 1.0:
@@ -138,7 +145,13 @@ class IIFCallback(RoundCallback):
     def settings(self) -> dict[str, Any]:
         """What this filter does, as recorded in snapshots: fraction, rule and target."""
         rule = self.rule if isinstance(self.rule, str) else getattr(self.rule, "__name__", repr(self.rule))
-        return {"fraction": self.fraction, "rule": rule, "target": self.target.name, "optimizer_aware": self.optimizer_aware}
+        return {
+            "fraction": self.fraction,
+            "rule": rule,
+            "target": self.target.name,
+            "optimizer_aware": self.optimizer_aware,
+            "unit": self.unit,
+        }
 
     def _init_callback(self) -> None:
         super()._init_callback()
@@ -156,10 +169,24 @@ class IIFCallback(RoundCallback):
     def score_requests(self, round_: InfluenceRound) -> Sequence[ScoreRequest]:
         return [self.request]
 
+    def unit_scores(self, round_: InfluenceRound) -> np.ndarray:
+        """
+        The scores the rule ranks this round: flat by record id, or by trajectory id with ``unit="trajectory"``.
+
+        :param round_: The round, with its scores.
+        :return: Flat float array.
+        """
+        buffer = self.model.rollout_buffer
+        scores = buffer.to_flat(round_.score(self.request))
+        return trajectory_sums(scores, buffer.trajectory_ids()) if self.unit == "trajectory" else scores
+
     def on_round(self, round_: InfluenceRound) -> None:
         buffer = self.model.rollout_buffer
-        scores = round_.score(self.request)
-        drop = buffer.to_records(self._drop_rule(buffer.to_flat(scores), self.fraction, self.round_rng(round_)))
+        scores = self.unit_scores(round_)
+        drop = self._drop_rule(scores, self.fraction, self.round_rng(round_))
+        if self.unit == "trajectory":
+            drop = to_records(drop, buffer.trajectory_ids())
+        drop = buffer.to_records(drop)
         n_dropped = self.model.drop_records(drop, source={"filter": type(self).__name__, **self.settings})
         self.last_drop = drop
         kept_fraction = float(np.mean(buffer.keep))

@@ -10,6 +10,7 @@ an underscore name of SB3; SB3's documented extension points (``_setup_model``, 
 from typing import Any
 
 import torch as th
+from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
 from stable_baselines3.common.distributions import Distribution
@@ -19,6 +20,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 #: (owner, attribute) pairs used below; the compatibility test walks this list.
 PRIVATE_NAMES = (
     (ActorCriticPolicy, "_get_action_dist_from_latent"),
+    (MaskableActorCriticPolicy, "_get_action_dist_from_latent"),
     (BaseAlgorithm, "_update_learning_rate"),
     (BaseAlgorithm, "_setup_learn"),
     (BaseAlgorithm, "_update_current_progress_remaining"),
@@ -29,8 +31,11 @@ PRIVATE_NAMES = (
 PRIVATE_ATTRIBUTES = ("_n_updates", "_current_progress_remaining", "_total_timesteps", "_logger")
 
 
-def action_distribution(policy: ActorCriticPolicy, latent_pi: th.Tensor) -> Distribution:
-    """The action distribution for the actor's latent features (``ActorCriticPolicy._get_action_dist_from_latent``)."""
+def action_distribution(policy: ActorCriticPolicy | MaskableActorCriticPolicy, latent_pi: th.Tensor) -> Distribution:
+    """
+    The action distribution for the actor's latent features (``ActorCriticPolicy._get_action_dist_from_latent``, or
+    sb3-contrib's ``MaskableActorCriticPolicy._get_action_dist_from_latent``, unmasked).
+    """
     return policy._get_action_dist_from_latent(latent_pi)
 
 

@@ -7,7 +7,8 @@ File ``<save_dir>/<name_prefix>_round<round:06d>_<num_timesteps>_steps.npz`` hol
 - ``influence/<target name>``: float64 scores, one array per target;
 - the records: ``obs`` (``obs/<key>`` per key for Dict observations, as the policy sees them), ``action``,
   ``reward``, ``advantage`` (raw GAE), ``training_advantage`` (as normalised for the update), ``return``,
-  ``value``, ``log_prob``, ``episode_start``, ``keep`` (after filtering), ``env``, ``step``;
+  ``value``, ``log_prob``, ``episode_start``, ``keep`` (after filtering), ``env``, ``step``, ``trajectory_id`` (see
+  ``rollout_buffer.trajectory_ids``) and, for masked policies, ``action_mask`` (1 for a valid choice);
 - scalars ``round`` (the model's round counter, the same number as in the file name, DataFrames and logs)
   and ``num_timesteps``;
 - ``metadata``: a JSON string (hyperparameters, seed, env id, targets, the filters that acted and their
@@ -225,7 +226,8 @@ def record_arrays(model: Any, round_: "InfluenceRound") -> dict[str, np.ndarray]
     :param model: An ``InfluencePPO`` with a full rollout buffer.
     :param round_: The round the buffer belongs to.
     :return: ``obs`` (or ``obs/<key>``), ``action``, ``reward``, ``advantage``, ``training_advantage``, ``return``,
-        ``value``, ``log_prob``, ``episode_start``, ``keep``, ``env``, ``step``, ``round``, ``num_timesteps``.
+        ``value``, ``log_prob``, ``episode_start``, ``keep``, ``env``, ``step``, ``trajectory_id``, ``action_mask``
+        (masked policies only), ``round``, ``num_timesteps``.
     """
     buffer = model.rollout_buffer
     arrays: dict[str, np.ndarray] = {}
@@ -249,6 +251,10 @@ def record_arrays(model: Any, round_: "InfluenceRound") -> dict[str, np.ndarray]
     steps, envs = np.indices((buffer.buffer_size, buffer.n_envs))
     arrays["env"] = envs.astype(np.int64)
     arrays["step"] = steps.astype(np.int64)
+    arrays["trajectory_id"] = buffer.to_records(buffer.trajectory_ids())
+    action_masks = buffer.record_action_masks(np.arange(buffer.n_records))
+    if action_masks is not None:
+        arrays["action_mask"] = buffer.to_records(np.asarray(action_masks) > 0.5)
     arrays["round"] = np.array(round_.index, dtype=np.int64)
     arrays["num_timesteps"] = np.array(model.num_timesteps, dtype=np.int64)
     return arrays
@@ -817,11 +823,15 @@ def snapshot_frame(snapshot: Snapshot) -> "pd.DataFrame":
         "step": snapshot.flat("step"),
     }
     columns["record_id"] = columns["env"] * n_steps + columns["step"]
+    if "trajectory_id" in snapshot.arrays:  # snapshots written before trajectories existed have none
+        columns["trajectory_id"] = snapshot.flat("trajectory_id")
     for name in _COLUMNS:
         columns[name] = _column(snapshot.flat(name))
     for target in snapshot.targets:
         columns[f"influence_{target}"] = snapshot.flat(f"influence/{target}")
     columns["action"] = _column(snapshot.flat("action"))
+    if "action_mask" in snapshot.arrays:
+        columns["action_mask"] = _column(snapshot.flat("action_mask"))
     for key in snapshot.arrays:
         if key == "obs" or key.startswith("obs/"):
             columns[key] = _column(snapshot.flat(key))
@@ -832,9 +842,11 @@ def load_snapshots(path: str, on_error: str = "raise", run_id: str | None = None
     """
     Load attribution snapshots into one pandas DataFrame, one row per record.
 
-    Columns: ``round, num_timesteps, env, step, record_id, reward, advantage, training_advantage, return, value,
-    log_prob, episode_start, keep, influence_<target>...``, then ``action`` and ``obs`` (``obs/<key>`` for Dict
-    observations): scalars when a record's value has a single element, else object columns holding arrays.
+    Columns: ``round, num_timesteps, env, step, record_id, trajectory_id, reward, advantage, training_advantage,
+    return, value, log_prob, episode_start, keep, influence_<target>...``, then ``action``, ``action_mask`` (masked
+    policies) and ``obs`` (``obs/<key>`` for Dict observations): scalars when a record's value has a single element,
+    else object columns holding arrays. ``trajectory_id`` (absent from older snapshots) numbers the round's
+    trajectories; :func:`sb3_influence.analysis.trajectory_frame` gives one row per ``(round, trajectory_id)``.
     ``df.attrs["metadata"]`` lists each file's metadata, in file order.
 
     A folder must hold one run (see :func:`load_all`), so ``(round, record_id)`` identifies a row; with

@@ -7,7 +7,9 @@ Like kronfluence's ``Task``, the training loss of a record is fixed (the PPO sur
 ``terms(engine, batch_size)`` method yielding scalar tensors whose sum is f(θ), each differentiable with respect
 to the policy parameters. The engine gives targets two helpers:
 
-- ``engine.log_prob(observations, actions)``: differentiable ``log π_θ(a|s)`` for a batch (numpy or torch);
+- ``engine.log_prob(observations, actions, action_masks=None)``: differentiable ``log π_θ(a|s)`` for a batch (numpy
+  or torch), with invalid-action masks applied as maskable policies apply them;
+- ``engine.action_masks(record_ids)``: the masks the buffer stores for its records (``None`` when unmasked);
 - ``engine.buffer_batches(batch_size)``: the current rollout buffer in chunks of
   ``(record_ids, observations, actions, raw_advantages)`` tensors.
 
@@ -31,7 +33,9 @@ class ScoringEngine(Protocol):
     policy: Any
     buffer: Any
 
-    def log_prob(self, observations: Any, actions: Any) -> th.Tensor: ...
+    def log_prob(self, observations: Any, actions: Any, action_masks: Any = None) -> th.Tensor: ...
+
+    def action_masks(self, ids: np.ndarray) -> th.Tensor | None: ...
 
     def buffer_batches(
         self, batch_size: int, ids: np.ndarray | None = None
@@ -75,8 +79,10 @@ class ReturnTarget:
 
     def terms(self, engine: ScoringEngine, batch_size: int) -> Iterator[th.Tensor]:
         n_records = engine.buffer.n_records
-        for _, observations, actions, advantages in engine.buffer_batches(batch_size):
-            yield (advantages * engine.log_prob(observations, actions)).sum() / n_records
+        for record_ids, observations, actions, advantages in engine.buffer_batches(batch_size):
+            # The buffer's own records: log π as the update sees it (with their action masks, for masked policies)
+            log_prob = engine.log_prob(observations, actions, engine.action_masks(record_ids))
+            yield (advantages * log_prob).sum() / n_records
 
     def buffer_weights(self, engine: ScoringEngine) -> np.ndarray:
         """``w_j = A_j / n``: f is ``Σ_j w_j log π(a_j|s_j)`` over the buffer's records (lets the engine fuse passes)."""

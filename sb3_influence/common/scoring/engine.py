@@ -54,9 +54,9 @@ class _ActorLogProb(nn.Module):
         # Kept out of the module tree: the engine is not a module
         self.__dict__["_engine"] = engine
 
-    def forward(self, observations: Any, actions: th.Tensor) -> th.Tensor:
+    def forward(self, observations: Any, actions: th.Tensor, action_masks: th.Tensor | None = None) -> th.Tensor:
         engine: InfluenceEngine = self.__dict__["_engine"]
-        return engine._log_prob_tensors(observations, actions)
+        return engine._log_prob_tensors(observations, actions, action_masks)
 
 
 class InfluenceEngine:
@@ -111,21 +111,35 @@ class InfluenceEngine:
     def _to_tensor(self, value: Any) -> th.Tensor:
         return value.to(self.device) if isinstance(value, th.Tensor) else th.as_tensor(np.asarray(value), device=self.device)
 
-    def log_prob(self, observations: Any, actions: Any) -> th.Tensor:
+    def log_prob(self, observations: Any, actions: Any, action_masks: Any = None) -> th.Tensor:
         """
         Differentiable ``log π_θ(a|s)`` for a batch of observations (numpy or torch, dict for Dict spaces).
 
         :param observations: Observations as the policy sees them, with a leading batch dimension.
         :param actions: Actions with the same leading dimension.
+        :param action_masks: Invalid-action masks applied to the distribution as sb3-contrib's maskable policies
+            apply them (``None``: unmasked); for the buffer's own records, :meth:`action_masks` gives them.
         :return: Tensor of shape ``(batch,)``.
         """
         if isinstance(observations, dict):
             observations = {key: self._to_tensor(value) for key, value in observations.items()}
         else:
             observations = self._to_tensor(observations)
-        return self._actor(observations, self._to_tensor(actions))
+        masks = None if action_masks is None else self._to_tensor(action_masks)
+        return self._actor(observations, self._to_tensor(actions), masks)
 
-    def _log_prob_tensors(self, observations: Any, actions: th.Tensor) -> th.Tensor:
+    def action_masks(self, ids: np.ndarray) -> th.Tensor | None:
+        """
+        The action masks the buffer stores for the records ``ids`` (the hook of masked policies: the buffer's
+        ``record_action_masks``), ``None`` when its records carry none.
+
+        :param ids: Flat record ids.
+        :return: Tensor of shape ``(len(ids), mask_dims)`` on the model's device, or ``None``.
+        """
+        masks = self.buffer.record_action_masks(np.asarray(ids))
+        return None if masks is None else self._to_tensor(masks)
+
+    def _log_prob_tensors(self, observations: Any, actions: th.Tensor, action_masks: th.Tensor | None = None) -> th.Tensor:
         policy = self.policy
         preprocessed = preprocess_obs(observations, policy.observation_space, normalize_images=policy.normalize_images)
         # SB3's preprocessing casts to float32; follow the policy's dtype (float64 in the exactness tests)
@@ -136,6 +150,9 @@ class InfluenceEngine:
         features = policy.pi_features_extractor(preprocessed)
         latent_pi = policy.mlp_extractor.forward_actor(features)
         distribution = sb3_compat.action_distribution(policy, latent_pi)
+        if action_masks is not None:
+            # Exactly as MaskableActorCriticPolicy.evaluate_actions: masked logits set to a constant, renormalised
+            distribution.apply_masking(action_masks)  # type: ignore[attr-defined]
         if isinstance(policy.action_space, spaces.Discrete):
             actions = actions.long().flatten()
         else:
@@ -235,14 +252,18 @@ class InfluenceEngine:
         obs: Any,
         actions: th.Tensor,
         forward: tuple[th.Tensor, list[tuple[nn.Module, th.Tensor, th.Tensor]]] | None = None,
+        action_masks: th.Tensor | None = None,
     ) -> th.Tensor:
-        """``D_i`` for one chunk; ``forward`` reuses a forward pass already captured over every ghostable layer."""
+        """
+        ``D_i`` for one chunk; ``forward`` reuses a forward pass already captured over every ghostable layer;
+        ``action_masks`` are the chunk's records' masks (masked policies).
+        """
         ghost, rest = plan
         chunk = th.zeros(len(actions), dtype=self.dtype, device=self.device)
         if ghost:
             if forward is None:
                 with self._capture(list(ghost)) as calls:
-                    log_prob = self._actor(obs, actions)
+                    log_prob = self._actor(obs, actions, action_masks)
             else:
                 log_prob, calls = forward[0], [call for call in forward[1] if call[0] in ghost]
             grads = th.autograd.grad(log_prob.sum(), [output for _, _, output in calls], allow_unused=True)
@@ -252,7 +273,7 @@ class InfluenceEngine:
                     assert scorer is not None
                     chunk = chunk + scorer.dot(module, inputs, grad_out, *ghost[module])
         if rest:
-            chunk = chunk + self._jvp(rest, obs, actions)
+            chunk = chunk + self._jvp(rest, obs, actions, action_masks)
         return chunk.detach()
 
     def alignment(self, v: dict[str, th.Tensor], batch_size: int, ids: np.ndarray | None = None) -> np.ndarray:
@@ -267,7 +288,8 @@ class InfluenceEngine:
         plan = self._plan(v)
         scores = np.zeros(self.buffer.n_records, dtype=np.float64)
         for chunk_ids, obs, actions, _ in self.buffer_batches(batch_size, ids):
-            scores[chunk_ids] = self._chunk_alignment(plan, obs, actions).cpu().double().numpy()
+            masks = self.action_masks(chunk_ids)
+            scores[chunk_ids] = self._chunk_alignment(plan, obs, actions, action_masks=masks).cpu().double().numpy()
         return scores
 
     def _fused_alignment(self, weights: np.ndarray) -> np.ndarray:
@@ -275,18 +297,20 @@ class InfluenceEngine:
         ``∇f`` and ``D`` from one forward pass, for a target ``f = Σ_j w_j log π(a_j|s_j)`` over the buffer's own
         records when the whole buffer fits in one chunk (the common IIF case).
         """
-        _, obs, actions, _ = next(self.buffer_batches(self.buffer.n_records))
+        ids, obs, actions, _ = next(self.buffer_batches(self.buffer.n_records))
+        masks = self.action_masks(ids)
         with self._capture([module for module in self.policy.modules() if self.layer_scorer(module) is not None]) as calls:
-            log_prob = self._actor(obs, actions)
+            log_prob = self._actor(obs, actions, masks)
         names, params = zip(*[(name, p) for name, p in self.policy.named_parameters() if p.requires_grad], strict=True)
         objective = (th.as_tensor(weights, device=self.device).to(self.dtype) * log_prob).sum()
         grads = th.autograd.grad(objective, params, retain_graph=True, allow_unused=True)
         v = {name: g.detach() for name, g in zip(names, grads, strict=True) if g is not None}
         if not v:
             return np.zeros(self.buffer.n_records)
-        return self._chunk_alignment(self._plan(v), obs, actions, forward=(log_prob, calls)).cpu().double().numpy()
+        plan = self._plan(v)
+        return self._chunk_alignment(plan, obs, actions, forward=(log_prob, calls), action_masks=masks).cpu().double().numpy()
 
-    def _jvp(self, v: dict[str, th.Tensor], obs: Any, actions: th.Tensor) -> th.Tensor:
+    def _jvp(self, v: dict[str, th.Tensor], obs: Any, actions: th.Tensor, action_masks: th.Tensor | None = None) -> th.Tensor:
         names = list(v)
         named = dict(self.policy.named_parameters())
         primals = tuple(named[name].detach() for name in names)
@@ -296,7 +320,7 @@ class InfluenceEngine:
             params = {f"policy.{name}": value for name, value in zip(names, values, strict=True)}
             # One name per parameter and no weight tying: a shared features extractor is reachable under several
             # names, and with tie_weights=True functional_call leaves the tied parameters swapped out afterwards
-            return th.func.functional_call(self._actor, params, (obs, actions), tie_weights=False)
+            return th.func.functional_call(self._actor, params, (obs, actions, action_masks), tie_weights=False)
 
         with th.no_grad():
             outputs = th.func.jvp(log_prob, primals, tangents)
