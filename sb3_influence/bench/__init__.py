@@ -198,6 +198,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _progress(path: str) -> str:
+    """``" (unfinished: round k of n)"`` for a result file of an unfinished run, ``""`` when there is none."""
+    try:
+        with open(path) as file:
+            result = json.load(file)
+    except FileNotFoundError:
+        return ""
+    return f" (unfinished or another configuration: round {result['rows'][-1]['round']} of {result['config']['rounds']})"
+
+
 def _summary(args: argparse.Namespace) -> int:
     jobs = grid(args.envs, args.arms, args.seeds, args.settings, args.variants, args.rounds, args.eval_episodes)
     cells = list(dict.fromkeys((job.env, job.setting) for job in jobs))
@@ -213,7 +223,7 @@ def _summary(args: argparse.Namespace) -> int:
     if absent:
         print(f"\n{len(absent)} of {len(jobs)} requested runs have no finished result file in {args.out}:", file=sys.stderr)
         for job in absent:
-            print(f"  {job.describe()}: {job.path(args.out)}", file=sys.stderr)
+            print(f"  {job.describe()}: {job.path(args.out)}{_progress(job.path(args.out))}", file=sys.stderr)
         print("Run them with `sb3-influence bench run` and the same arguments.", file=sys.stderr)
     if not shown:
         print(

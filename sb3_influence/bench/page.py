@@ -6,6 +6,7 @@ replaced by a generated block (tables, figure links) listed in :data:`BLOCKS`. A
 finished is shown as incomplete, never as a result.
 """
 
+import itertools
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -44,6 +45,8 @@ BLOCKS = (
     "aggregate",
     "reading",
     "curves",
+    "partial_minibatches",
+    "one_record_collapses",
     "legacy_results",
     "legacy_paper",
     "legacy_aggregate",
@@ -172,8 +175,11 @@ def _cost(cells: list[_Cell], probe_path: str) -> str:
         per_run, source = _run_cost(cell, probes)
         per_cell = per_run * len(ARMS) * len(cell.seeds)
         total += per_cell if np.isfinite(per_cell) else 0.0
-        lines.append(f"| {cell.env} | {cell.name} | {per_run:.2f} | {per_cell:.1f} | {source} |")
-    lines.append(f"| **all** | | | **{total:.0f}** | |")
+        shown = f"{per_run:.2f} | {per_cell:.1f}" if np.isfinite(per_run) else "— | —"
+        lines.append(f"| {cell.env} | {cell.name} | {shown} | {source} |")
+    unmeasured = sum(not np.isfinite(_run_cost(cell, probes)[0]) for cell in cells)
+    bound = f"≥ {total:.0f} ({unmeasured} cells not measured)" if unmeasured else f"{total:.0f}"
+    lines.append(f"| **all** | | | **{bound}** | |")
     return "\n".join(lines)
 
 
@@ -278,6 +284,60 @@ def _reading(cells: list[_Cell]) -> str:
     return "\n".join(lines)
 
 
+def _partial_minibatches(cells: list[_Cell]) -> str:
+    """How often a filtering arm's update ends with a partial minibatch, and how small it is (from kept fractions)."""
+    lines = [
+        "| cell | arm | rounds | with a partial minibatch | median size | ≤ 8 records | ≤ 2 records |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        for arm in [name for name in ARMS if name != "ppo" and name in cell.runs]:
+            sizes = []
+            for result in cell.runs[arm].values():
+                config = result["config"]
+                n = config.get("n_steps", 2048) * config.get("n_envs", 1)
+                sizes += [round(row["kept_fraction"] * n) % config.get("batch_size", 64) for row in result["rows"][1:]]
+            array = np.array(sizes)
+            partial = array[array > 0]
+            median = f"{np.median(partial):.0f}" if len(partial) else "—"
+            lines.append(
+                f"| {cell.label} | {arm} | {len(array)} | {np.mean(array > 0):.0%} | {median} | "
+                f"{np.mean((array > 0) & (array <= 8)):.0%} | {np.mean((array > 0) & (array <= 2)):.0%} |"
+            )
+    return "\n".join(lines)
+
+
+def _one_record_collapses(cells: list[_Cell]) -> str:
+    """
+    Between consecutive evaluations: did a round end with a one-record minibatch (SB3 normalises the advantages
+    only of minibatches of 2 or more, so that step uses the record's raw advantage), and did the test return
+    collapse (fall by more than a quarter of the environment's score range)? Counts and Fisher's exact test.
+    """
+    from scipy.stats import fisher_exact
+
+    lines = [
+        "| cell | arm | intervals with a one-record minibatch: collapses | other intervals: collapses | Fisher p |",
+        "|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        low, high = ENVS[cell.env].score_range
+        for arm in [name for name in ARMS if name in cell.runs]:
+            table = np.zeros((2, 2), dtype=int)
+            for result in cell.runs[arm].values():
+                config = result["config"]
+                n, batch = config.get("n_steps", 2048) * config.get("n_envs", 1), config.get("batch_size", 64)
+                one = {row["round"] for row in result["rows"][1:] if round(row["kept_fraction"] * n) % batch == 1}
+                evals = [(row["round"], row["eval_return"]) for row in result["rows"] if row["eval_return"] is not None]
+                for (r0, v0), (r1, v1) in itertools.pairwise(evals):
+                    table[int(bool(one & set(range(r0 + 1, r1 + 1)))), int(v0 - v1 > (high - low) / 4)] += 1
+            p = fisher_exact(table)[1] if table[1].sum() else float("nan")
+            lines.append(
+                f"| {cell.label} | {arm} | {table[1, 1]} of {table[1].sum()} | {table[0, 1]} of {table[0].sum()} | "
+                f"{'—' if np.isnan(p) else f'{p:.3f}'} |"
+            )
+    return "\n".join(lines)
+
+
 def _curves(cells: list[_Cell], figures: str, relative: str, prefix: str) -> str:
     links = []
     for cell in cells:
@@ -327,6 +387,8 @@ def generate_page(
         "aggregate": lambda: _aggregate(cells, figures, relative, "aggregate", "grid"),
         "reading": lambda: _reading(cells),
         "curves": lambda: _curves(cells, figures, relative, "grid_"),
+        "partial_minibatches": lambda: _partial_minibatches(old + [c for c in cells if c.runs]),
+        "one_record_collapses": lambda: _one_record_collapses(old + [c for c in cells if c.runs]),
         "legacy_results": lambda: markdown_table([c.row() for c in old]),
         "legacy_paper": lambda: _paper(old),
         "legacy_aggregate": lambda: _aggregate(old, figures, relative, "legacy_aggregate", "legacy protocol"),
