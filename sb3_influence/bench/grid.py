@@ -117,7 +117,8 @@ def _ray_results(jobs: Sequence[Job], out: str, workers: int, niceness: int, add
         if address is None:
             ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
         else:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            # A running cluster (sb3_influence must be installed on its nodes); ray:// addresses use Ray Client
+            ray.init(address=address, log_to_driver=False)
     try:
         # One CPU per run: each run uses one torch thread
         remote = ray.remote(num_cpus=1, max_calls=1)(_execute)
