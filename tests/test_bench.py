@@ -209,6 +209,15 @@ def test_first_unfiltered_variant_takes_ppos_first_update(tmp_path):
     iif = bench.run_one("CartPole", "iif", 1, out, variants=["first-unfiltered"], rounds=2, eval_episodes=3)
     assert iif["rows"][1]["kept_fraction"] == 1.0 and iif["rows"][2]["kept_fraction"] < 1.0
     assert iif["rows"][1]["eval_return"] == ppo["rows"][1]["eval_return"]
+    # PPO filters nothing, so its run in the variant's cell is the one without the variant, reused (not retrained)
+    reused = bench.run_one("CartPole", "ppo", 1, out, variants=["first-unfiltered"], rounds=2, eval_episodes=3)
+    assert reused["rows"] == ppo["rows"] and reused["reused_from"] == os.path.join("CartPole", "sgd", "ppo_seed1.json")
+    assert reused["total_cpu_time"] == 0.0 and reused["config"]["variants"] == ["first-unfiltered"]
+    assert bench.Job("CartPole", "sgd", "ppo", 1, ("first-unfiltered",), rounds=2, eval_episodes=3).finished(out)
+    # Clipping changes PPO too: not reused
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench.run_one("CartPole", "ppo", 1, out, variants=["clip"], rounds=2, eval_episodes=3)
+    assert not bench.harness._reuse_unfiltered(bench.run_config("CartPole", "sgd", "ppo", 1, ["clip0.5"], 2, 3), out, 3)
 
 
 def test_settings_and_variants_make_the_run_kwargs():
@@ -397,7 +406,17 @@ def test_docs_page_marks_incomplete_cells(tmp_path):
             if seed == 0:
                 _fake_grid_run(out, "Acrobot", "sgd", arm, seed, [-500.0 + 100 * r for r in returns])
     template = tmp_path / "page.md.in"
-    template.write_text("# T\n\n{{status}}\n\n{{results}}\n\n{{incomplete}}\n\n{{paper}}\n\n{{aggregate}}\n\n{{reading}}\n\n{{one_record_collapses}}\n")
+    template.write_text(
+        "\n\n".join(
+            [
+                "# T",
+                *(
+                    "{{" + name + "}}"
+                    for name in ("status", "results", "incomplete", "paper", "aggregate", "reading", "one_record_collapses")
+                ),
+            ]
+        )
+    )
     output = tmp_path / "docs" / "page.md"
     output.parent.mkdir()
     report = generate_page(str(template), str(output), str(tmp_path / "docs" / "fig"), out, legacy, seeds=(0, 1))

@@ -34,6 +34,7 @@ from sb3_influence.bench.harness import (
     DropPartialMinibatch,
     EnvSpec,
     OptimizerSetting,
+    Variant,
     cell_name,
     make_callback,
     make_env,
@@ -61,6 +62,7 @@ __all__ = [
     "EnvSpec",
     "Job",
     "OptimizerSetting",
+    "Variant",
     "bootstrap_ci",
     "cell_directory",
     "cell_name",
@@ -139,7 +141,7 @@ def _grid_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         choices=sorted(VARIANTS),
         metavar="VARIANT",
-        help=f"options of the filtering arms, from {', '.join(sorted(VARIANTS))}",
+        help=f"options that the authors' code differs in, from {', '.join(sorted(VARIANTS))}",
     )
     parser.add_argument(
         "--rounds",

@@ -181,13 +181,35 @@ ARMS: dict[str, Arm] = {
     "random": Arm("random", "random filter", "tab:gray"),
 }
 
-# Options of the filtering arms that the authors' code differs in (the LunarLander investigation)
-VARIANTS: dict[str, str] = {
-    "drop-partial": "the leftover partial minibatch of the kept records is dropped every round, so a filtering arm "
-    "takes n_epochs · floor(n_kept / batch_size) optimizer steps (as a data loader with drop_last)",
-    "clip0.5": "gradient clipping at max_grad_norm 0.5 (the value the paper lists) instead of none",
-    "first-unfiltered": "filtering starts at round 2: round 1 is PPO's own update, so the filtered rounds start from "
-    "the PPO run's round-1 parameters (the authors ran IIF as a follow-up of a PPO round)",
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """
+    An option of a cell that the authors' code differs in (the LunarLander investigation).
+
+    :param description: One line for the docs.
+    :param filtering_only: The option changes nothing for an arm that drops no record, so such an arm's run is
+        the same as in the cell without the option and is reused from there when it exists.
+    """
+
+    description: str
+    filtering_only: bool
+
+
+VARIANTS: dict[str, Variant] = {
+    "drop-partial": Variant(
+        "the leftover partial minibatch of the kept records is dropped every round, so a filtering arm takes "
+        "n_epochs · floor(n_kept / batch_size) optimizer steps (as a data loader with drop_last)",
+        filtering_only=True,
+    ),
+    "clip0.5": Variant(
+        "gradient clipping at max_grad_norm 0.5 (the value the paper lists) instead of none", filtering_only=False
+    ),
+    "first-unfiltered": Variant(
+        "filtering starts at round 2: round 1 is PPO's own update, so the filtered rounds start from the PPO run's "
+        "round-1 parameters (the authors ran IIF as a follow-up of a PPO round)",
+        filtering_only=True,
+    ),
 }
 
 
@@ -444,6 +466,23 @@ def _load(path: str) -> dict[str, Any] | None:
         return json.load(file)
 
 
+def _reuse_unfiltered(config: dict[str, Any], out: str, eval_episodes: int) -> dict[str, Any] | None:
+    """The finished run of an arm without a rule in the cell without the variants, when the variants only change
+    filtering (so training would repeat it bit for bit); ``None`` otherwise."""
+    variants = config["variants"]
+    if ARMS[config["arm"]].rule is not None or not variants or not all(VARIANTS[v].filtering_only for v in variants):
+        return None
+    base_config = run_config(
+        config["env"], config["setting"], config["arm"], config["seed"], (), config["rounds"], eval_episodes
+    )
+    base_path = result_path(out, config["env"], config["setting"], config["arm"], config["seed"])
+    base = _load(base_path)
+    if base is None or not base.get("complete") or base.get("config") != base_config:
+        return None
+    # The CPU time was spent once, by the run reused: not counted again
+    return {**base, "config": config, "reused_from": os.path.relpath(base_path, out), "total_cpu_time": 0.0}
+
+
 def _run_one(config: dict[str, Any], out: str, eval_episodes: int, checkpoint_every: int) -> dict[str, Any]:
     from sb3_influence import InfluencePPO
 
@@ -453,6 +492,10 @@ def _run_one(config: dict[str, Any], out: str, eval_episodes: int, checkpoint_ev
     previous = _load(path)
     if previous is not None and previous.get("config") == config and previous.get("complete"):
         return previous
+    reused = _reuse_unfiltered(config, out, eval_episodes)
+    if reused is not None:
+        write_json(path, reused)
+        return reused
     cpu_start = time.process_time()
     eval_seed = 10_000 + seed
     checkpoint = os.path.join(out, "raw", env, cell_name(setting, variants), f"{arm}_seed{seed}.zip")

@@ -137,7 +137,12 @@ def _run_cost(cell: _Cell, probes: dict[str, Any]) -> tuple[float, str]:
     """CPU hours of one run of a cell and where the number comes from."""
     import json
 
-    finished = [r["total_cpu_time"] for runs in cell.runs.values() for r in runs.values() if "total_cpu_time" in r]
+    finished = [
+        r["total_cpu_time"]
+        for runs in cell.runs.values()
+        for r in runs.values()
+        if "total_cpu_time" in r and "reused_from" not in r
+    ]
     if finished:
         return float(np.mean(finished)) / 3600, f"measured, mean of {len(finished)} finished runs"
     partial = []
