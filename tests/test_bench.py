@@ -159,7 +159,7 @@ def test_bad_inputs(tmp_path):
         bench.run_grid([], str(tmp_path), backend="slurm")
 
 
-def test_run_one_end_to_end_and_skip_finished(tmp_path):
+def test_run_one_end_to_end_and_skip_finished(tmp_path, monkeypatch):
     out = str(tmp_path)
     result = bench.run_one("CartPole", "ppo", 0, out, rounds=2, eval_episodes=2)
     assert [row["round"] for row in result["rows"]] == [0, 1, 2]
@@ -176,6 +176,14 @@ def test_run_one_end_to_end_and_skip_finished(tmp_path):
     job = bench.Job("CartPole", "sgd", "ppo", 0, rounds=2, eval_episodes=2)
     assert job.finished(out) and not bench.missing([job], out)
     assert bench.run_grid([job], out, workers=1, backend="process", log=lambda line: None) > 0
+    # Without Ray installed, "auto" falls back to the local process pool
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    lines = []
+    bench.run_grid([job], out, workers=2, backend="auto", log=lines.append)
+    assert lines[0] == "1 of 1 runs already finished; running 0 with backend 'process'"
     assert os.path.getmtime(path) == mtime
     # Another configuration is another run
     assert not bench.Job("CartPole", "sgd", "ppo", 0, rounds=3, eval_episodes=2).finished(out)
