@@ -308,7 +308,7 @@ def test_grid_through_ray(tmp_path):
     ray = pytest.importorskip("ray", reason="install the distributed extra: pip install -e '.[distributed]'")
     out = str(tmp_path)
     jobs = bench.grid(["CartPole"], ["ppo", "iif"], [3], rounds=1, eval_episodes=2)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         lines = []
         hours = bench.run_grid(jobs, out, workers=2, backend="ray", log=lines.append)

@@ -24,6 +24,16 @@ import sys
 from sb3_influence.bench.evaluation import EVAL_ENVS, evaluate, exact_frozenlake_return, make_eval_env
 from sb3_influence.bench.grid import Job, cpu_hours, grid, missing, run_grid
 from sb3_influence.bench.harness import (
+    DropPartialMinibatch,
+    make_callback,
+    make_env,
+    make_model,
+    parameter_hash,
+    run_config,
+    run_one,
+    write_json,
+)
+from sb3_influence.bench.protocol import (
     ARMS,
     ENVS,
     PAPER_ENVS,
@@ -31,20 +41,12 @@ from sb3_influence.bench.harness import (
     SETTINGS,
     VARIANTS,
     Arm,
-    DropPartialMinibatch,
     EnvSpec,
     OptimizerSetting,
     Variant,
     cell_name,
-    make_callback,
-    make_env,
-    make_model,
-    parameter_hash,
     result_path,
-    run_config,
     run_kwargs,
-    run_one,
-    write_json,
 )
 from sb3_influence.bench.metrics import bootstrap_ci, first_round, ppo_levels, speedup_metrics
 from sb3_influence.bench.summary import cell_directory, curve, load_runs, markdown_table, plot, summarize, time_key

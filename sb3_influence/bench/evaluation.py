@@ -6,7 +6,7 @@ import numpy as np
 import torch as th
 
 if TYPE_CHECKING:
-    from sb3_influence.bench.harness import EnvSpec
+    from sb3_influence.bench.protocol import EnvSpec
 
 
 def exact_frozenlake_return(model: Any, env: Any) -> float:

@@ -10,7 +10,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from sb3_influence.bench.harness import ARMS, ENVS, PAPER_ENVS, check_names, result_path, run_config, run_one, write_json
+from sb3_influence.bench.harness import run_config, run_one, write_json
+from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, check_names, result_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,8 @@ def _ray_results(jobs: Sequence[Job], out: str, workers: int, niceness: int, add
     started = not ray.is_initialized()
     if started:
         if address is None:
-            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+            # A new Ray instance on this machine, even if a stale cluster address is lying around
+            ray.init(address="local", num_cpus=workers, include_dashboard=False, log_to_driver=False)
         else:
             # A running cluster (sb3_influence must be installed on its nodes); ray:// addresses use Ray Client
             ray.init(address=address, log_to_driver=False)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from sb3_influence.bench.grid import Job, cpu_hours, grid
-from sb3_influence.bench.harness import ARMS, ENVS, PAPER_ENVS, SETTINGS, run_kwargs
+from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, SETTINGS, run_kwargs
 from sb3_influence.bench.summary import load_runs, markdown_table, percent, plot, summarize
 
 # The paper's IIF numbers (Hu et al. 2025): SE_ave, SE_peak, RT_peak as (mean, s.e.) in percent (Sec. 5 main

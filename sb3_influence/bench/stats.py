@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from sb3_influence.bench.harness import ENVS
+from sb3_influence.bench.protocol import ENVS
 from sb3_influence.bench.summary import curve
 
 # A statistic of a score matrix (runs × tasks) -> a number

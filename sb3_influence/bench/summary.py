@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from sb3_influence.bench.harness import ARMS, ENVS, cell_name
+from sb3_influence.bench.protocol import ARMS, ENVS, cell_name
 from sb3_influence.bench.metrics import bootstrap_ci, speedup_metrics
 
 
