@@ -47,6 +47,7 @@ BLOCKS = (
     "curves",
     "partial_minibatches",
     "one_record_collapses",
+    "reproduction",
     "legacy_results",
     "legacy_paper",
     "legacy_aggregate",
@@ -343,6 +344,25 @@ def _one_record_collapses(cells: list[_Cell]) -> str:
     return "\n".join(lines)
 
 
+def _reproduction(cells: list[_Cell], old: list[_Cell]) -> str:
+    """Grid runs against the superseded runs of the same env, arm and seed where the evaluation is the same (exact):
+    identical returns, and the ratio of their training CPU times (the load of the machine, since the work is equal)."""
+    lines = ["| env | arm | seed | identical test returns | training CPU time, grid / superseded |", "|---|---|---|---|---|"]
+    legacy = {cell.env: cell for cell in old}
+    for cell in cells:
+        if cell.name != "sgd" or cell.env not in legacy or not ENVS[cell.env].exact_eval:
+            continue
+        for arm, runs in cell.runs.items():
+            for seed, result in sorted(runs.items()):
+                before = legacy[cell.env].runs.get(arm, {}).get(seed)
+                if before is None:
+                    continue
+                same = [r["eval_return"] for r in result["rows"]] == [r["eval_return"] for r in before["rows"]]
+                ratio = result["rows"][-1]["cpu_time"] / before["rows"][-1]["cpu_time"]
+                lines.append(f"| {cell.env} | {arm} | {seed} | {'yes' if same else '**no**'} | {ratio:.2f} |")
+    return "\n".join(lines) if len(lines) > 2 else "*No grid run has a superseded counterpart with the same evaluation yet.*"
+
+
 def _curves(cells: list[_Cell], figures: str, relative: str, prefix: str) -> str:
     links = []
     for cell in cells:
@@ -394,6 +414,7 @@ def generate_page(
         "curves": lambda: _curves(cells, figures, relative, "grid_"),
         "partial_minibatches": lambda: _partial_minibatches(old + [c for c in cells if c.runs]),
         "one_record_collapses": lambda: _one_record_collapses(old + [c for c in cells if c.runs]),
+        "reproduction": lambda: _reproduction(cells, old),
         "legacy_results": lambda: markdown_table([c.row() for c in old]),
         "legacy_paper": lambda: _paper(old),
         "legacy_aggregate": lambda: _aggregate(old, figures, relative, "legacy_aggregate", "legacy protocol"),
