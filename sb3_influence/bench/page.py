@@ -269,7 +269,7 @@ def _aggregate(cells: list[_Cell], figures: str, relative: str, name: str, title
         plot_aggregates(aggregates, scores, labels, colors, path, f"{title}: {kind} score")
         images.append(f"![{title}, {kind} score]({relative}/{name}_{kind}.png)")
     tasks = f"Tasks: {', '.join(cell.label for cell in complete)} ({len(complete[0].seeds)} seeds each)."
-    return "\n".join([tasks, "", *table, "", *poi, "", *images])
+    return "\n".join([tasks, "", *table, "", *poi, "", "\n\n".join(images)])
 
 
 def _reading(cells: list[_Cell]) -> str:
