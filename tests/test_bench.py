@@ -1,9 +1,12 @@
 import json
 import os
+import subprocess
+import sys
 
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch as th
 
 from sb3_influence import bench
 
@@ -109,9 +112,10 @@ def test_summarize_and_table(tmp_path):
     out = str(tmp_path)
     ppo = [0.0, 1.0, 2.0, 3.0, 4.0]
     for seed, iif in enumerate(([0.0, 2.0, 4.0, 4.0, 4.0], [0.0, 1.0, 2.0, 4.0, 4.0])):
-        bench._write_json(bench.result_path(out, "Acrobot", "ppo", seed), _fake_result("ppo", seed, ppo, range(5)))
-        bench._write_json(bench.result_path(out, "Acrobot", "iif", seed), _fake_result("iif", seed, iif, range(5)))
-    summary = bench.summarize(out, "Acrobot", final_window=2)
+        bench.write_json(bench.result_path(out, "Acrobot", "sgd", "ppo", seed), _fake_result("ppo", seed, ppo, range(5)))
+        bench.write_json(bench.result_path(out, "Acrobot", "sgd", "iif", seed), _fake_result("iif", seed, iif, range(5)))
+    cell = bench.cell_directory(out, "Acrobot", "sgd")
+    summary = bench.summarize(cell, "Acrobot", final_window=2)
     per_seed = summary["iif"]["per_seed"]
     assert per_seed[0]["se_peak"] == pytest.approx(0.5)
     assert per_seed[1]["se_peak"] == pytest.approx(0.25)
@@ -119,14 +123,15 @@ def test_summarize_and_table(tmp_path):
     assert summary["iif"]["se_peak"]["se"] == pytest.approx(np.std([0.5, 0.25], ddof=1) / np.sqrt(2))
     assert per_seed[0]["final_gain"] == pytest.approx(0.5)
     assert "random" not in summary
-    table = bench.markdown_table(out, ["Acrobot"])
-    assert "| Acrobot | iif | 2 |" in table and "37.5" in table
-    bench.plot(out, "Acrobot", os.path.join(out, "plot.png"))
+    table = bench.markdown_table([("Acrobot sgd", cell, "Acrobot")])
+    assert "| Acrobot sgd | iif | 2 |" in table and "37.5" in table
+    assert bench.plot(cell, "Acrobot", os.path.join(out, "plot.png"))
     assert os.path.getsize(os.path.join(out, "plot.png")) > 0
+    assert not bench.plot(os.path.join(out, "nothing"), "Acrobot", os.path.join(out, "none.png"))
     # Different initial weights for the same seed are an error
-    bench._write_json(bench.result_path(out, "Acrobot", "iif", 0), _fake_result("iif", 0, ppo, range(5), init_hash="other"))
+    bench.write_json(bench.result_path(out, "Acrobot", "sgd", "iif", 0), _fake_result("iif", 0, ppo, range(5), "other"))
     with pytest.raises(RuntimeError, match="same initial weights"):
-        bench.summarize(out, "Acrobot")
+        bench.summarize(cell, "Acrobot")
 
 
 def test_same_seed_same_initial_weights():
@@ -138,29 +143,50 @@ def test_same_seed_same_initial_weights():
 def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="arm"):
         bench.make_callback("ppo2", 0.5)
-    with pytest.raises(ValueError, match="env"):
+    with pytest.raises(ValueError, match="unknown env 'Pong'"):
         bench.run_one("Pong", "ppo", 0, str(tmp_path))
-    with pytest.raises(ValueError, match="unknown arm"):
-        bench.run_all(["CartPole"], ["nope"], [0], str(tmp_path))
+    with pytest.raises(ValueError, match="unknown arm 'nope'"):
+        bench.grid(["CartPole"], ["nope"], [0])
+    with pytest.raises(ValueError, match="unknown setting 'rmsprop'"):
+        bench.grid(["CartPole"], ["ppo"], [0], settings=["rmsprop"])
+    with pytest.raises(ValueError, match="unknown variant 'fast'"):
+        bench.grid(["CartPole"], ["ppo"], [0], variants=["fast"])
     with pytest.raises(ValueError, match="eval_episodes"):
-        bench.run_all(["CartPole"], ["ppo"], [0], str(tmp_path), eval_episodes=0)
+        bench.grid(["CartPole"], ["ppo"], [0], eval_episodes=0)
+    with pytest.raises(ValueError, match="seeds"):
+        bench.grid(["CartPole"], ["ppo"], [])
+    with pytest.raises(ValueError, match="backend"):
+        bench.run_grid([], str(tmp_path), backend="slurm")
 
 
-def test_run_one_end_to_end_and_skip_finished(tmp_path):
+def test_run_one_end_to_end_and_skip_finished(tmp_path, monkeypatch):
     out = str(tmp_path)
     result = bench.run_one("CartPole", "ppo", 0, out, rounds=2, eval_episodes=2)
     assert [row["round"] for row in result["rows"]] == [0, 1, 2]
     assert result["complete"] and result["rows"][-1]["timesteps"] == 2 * bench.PPO_KWARGS["n_steps"]
     assert all(row["eval_return"] > 0 and row["kept_fraction"] == 1.0 for row in result["rows"])
     assert result["init_hash"] == bench.parameter_hash(bench.make_model(bench.ENVS["CartPole"], 0))
-    path = bench.result_path(out, "CartPole", "ppo", 0)
+    assert 0 < result["total_cpu_time"] and all(row["eval_cpu_time"] >= 0 for row in result["rows"])
+    path = bench.result_path(out, "CartPole", "sgd", "ppo", 0)
     with open(path) as file:
         assert json.load(file) == result
     mtime = os.path.getmtime(path)
-    # A finished run is not trained again
+    # A finished run is not trained again, by run_one or by the grid
     assert bench.run_one("CartPole", "ppo", 0, out, rounds=2, eval_episodes=2) == result
+    job = bench.Job("CartPole", "sgd", "ppo", 0, rounds=2, eval_episodes=2)
+    assert job.finished(out) and not bench.missing([job], out)
+    assert bench.run_grid([job], out, workers=1, backend="process", log=lambda line: None) > 0
+    # Without Ray installed, "auto" falls back to the local process pool
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    lines = []
+    bench.run_grid([job], out, workers=2, backend="auto", log=lines.append)
+    assert lines[0] == "1 of 1 runs already finished; running 0 with backend 'process'"
     assert os.path.getmtime(path) == mtime
-    assert bench.main(["summary", "--out", out, "--envs", "CartPole"]) == 0
+    # Another configuration is another run
+    assert not bench.Job("CartPole", "sgd", "ppo", 0, rounds=3, eval_episodes=2).finished(out)
 
 
 def test_filtering_arms_drop_records_from_identical_initial_weights(tmp_path):
@@ -172,6 +198,128 @@ def test_filtering_arms_drop_records_from_identical_initial_weights(tmp_path):
     # Same seed, same first rollout: both filters drop floor(0.5 * n_neg) of the same records' count
     assert 0.5 < kept["iif"] < 1.0
     assert kept["random"] == kept["iif"]
+
+
+def test_drop_partial_variant_leaves_whole_minibatches(tmp_path):
+    out = str(tmp_path)
+    plain = bench.run_one("CartPole", "iif", 2, out, rounds=1, eval_episodes=1)
+    variant = bench.run_one("CartPole", "iif", 2, out, variants=["drop-partial"], rounds=1, eval_episodes=1)
+    n = bench.PPO_KWARGS["n_steps"]
+    n_plain, n_variant = (round(r["rows"][1]["kept_fraction"] * n) for r in (plain, variant))
+    assert n_plain % 64 != 0  # otherwise this test checks nothing
+    assert n_variant == n_plain - n_plain % 64
+    assert os.path.exists(bench.result_path(out, "CartPole", "sgd", "iif", 2, ["drop-partial"]))
+
+
+def test_first_unfiltered_variant_takes_ppos_first_update(tmp_path):
+    out = str(tmp_path)
+    ppo = bench.run_one("CartPole", "ppo", 1, out, rounds=2, eval_episodes=3)
+    iif = bench.run_one("CartPole", "iif", 1, out, variants=["first-unfiltered"], rounds=2, eval_episodes=3)
+    assert iif["rows"][1]["kept_fraction"] == 1.0 and iif["rows"][2]["kept_fraction"] < 1.0
+    assert iif["rows"][1]["eval_return"] == ppo["rows"][1]["eval_return"]
+    # PPO filters nothing, so its run in the variant's cell is the one without the variant, reused (not retrained)
+    reused = bench.run_one("CartPole", "ppo", 1, out, variants=["first-unfiltered"], rounds=2, eval_episodes=3)
+    assert reused["rows"] == ppo["rows"] and reused["reused_from"] == os.path.join("CartPole", "sgd", "ppo_seed1.json")
+    assert reused["total_cpu_time"] == 0.0 and reused["config"]["variants"] == ["first-unfiltered"]
+    assert bench.Job("CartPole", "sgd", "ppo", 1, ("first-unfiltered",), rounds=2, eval_episodes=3).finished(out)
+    # Clipping changes PPO too: not reused
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench.run_one("CartPole", "ppo", 1, out, variants=["clip"], rounds=2, eval_episodes=3)
+    assert not bench.harness._reuse_unfiltered(bench.run_config("CartPole", "sgd", "ppo", 1, ["clip0.5"], 2, 3), out, 3)
+
+
+def test_settings_and_variants_make_the_run_kwargs():
+    acrobot = bench.ENVS["Acrobot"]
+    sgd = bench.run_kwargs(acrobot, "sgd")
+    assert sgd["optimizer"] == "sgd" and sgd["learning_rate"] == 5e-3 and sgd["max_grad_norm"] == 1e10
+    assert sgd["rounds"] == 50 and sgd["n_envs"] == 1
+    sb3 = bench.run_kwargs(acrobot, "sb3")
+    # rl-zoo's Acrobot values at the paper's budget of 50 * 2048 environment steps
+    assert (sb3["n_envs"], sb3["n_steps"], sb3["n_epochs"], sb3["max_grad_norm"]) == (16, 256, 4, 0.5)
+    assert sb3["rounds"] == 25 and sb3["optimizer"] == "adam"
+    assert bench.run_kwargs(acrobot, "sgd", ["clip0.5"])["max_grad_norm"] == 0.5
+    model = bench.make_model(bench.ENVS["CartPole"], 0, "adam1e-3", n_steps=64)
+    assert isinstance(model.policy.optimizer, th.optim.Adam) and model.learning_rate == 1e-3
+    for env in bench.PAPER_ENVS:
+        assert set(bench.ENVS[env].settings) <= set(bench.SETTINGS)
+
+
+def test_grid_order_and_protocol_settings():
+    jobs = bench.grid(["FrozenLake", "MiniGrid"], ["random", "ppo", "iif"], [0, 1])
+    cells = list(dict.fromkeys((job.env, job.setting) for job in jobs))
+    assert cells == [("FrozenLake", "sgd"), ("MiniGrid", "sgd"), ("MiniGrid", "adam1e-3"), ("MiniGrid", "sb3")]
+    first = [(job.arm, job.seed) for job in jobs[:6]]
+    assert first == [("ppo", 0), ("iif", 0), ("ppo", 1), ("iif", 1), ("random", 0), ("random", 1)]
+
+
+def test_vectorised_evaluation_is_paired_and_leaves_the_torch_rng():
+    spec = bench.ENVS["CartPole"]
+    model = bench.make_model(spec, 0, n_steps=64)
+    eval_env = bench.make_eval_env(spec, 30, 7)
+    assert eval_env.num_envs == 20
+    th.manual_seed(123)
+    state = th.random.get_rng_state()
+    first = bench.evaluate(model, spec, 30, 7, eval_env)
+    assert th.equal(state, th.random.get_rng_state())
+    # Reusing the environments gives the same episodes as fresh ones
+    assert bench.evaluate(model, spec, 30, 7, eval_env) == first == bench.evaluate(model, spec, 30, 7)
+    assert bench.evaluate(model, spec, 30, 8) != first
+
+
+def test_summary_lists_missing_runs_and_fails(tmp_path, capsys):
+    out = str(tmp_path)
+    args = ["summary", "--out", out, "--envs", "CartPole", "--seeds", "0", "--arms", "ppo", "iif", "--rounds", "1",
+            "--eval-episodes", "1"]  # fmt: skip
+    assert bench.main(args) == 1
+    err = capsys.readouterr().err
+    assert "CartPole sgd ppo seed 0" in err and "CartPole sgd iif seed 0" in err and "nothing to summarise" in err
+    for arm in ("ppo", "iif"):
+        bench.run_one("CartPole", arm, 0, out, rounds=1, eval_episodes=1)
+    assert bench.main(args) == 0
+    assert "| CartPole sgd | iif | 1 |" in capsys.readouterr().out
+    # A seed still missing: listed, exit status 1 unless --allow-missing
+    assert bench.main([*args[:6], "0", "1", *args[7:]]) == 1
+    assert "CartPole sgd iif seed 1" in capsys.readouterr().err
+    assert bench.main([*args[:6], "0", "1", *args[7:], "--allow-missing"]) == 0
+
+
+def test_help_shows_every_default_and_no_markup(capsys):
+    parser = bench._parser()
+    for command in ("run", "summary", "docs"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        text = capsys.readouterr().out
+        assert "``" not in text and ":func:" not in text and ":param" not in text
+        sub = parser._subparsers._group_actions[0].choices[command]
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert "default" in sub.formatter_class("x")._get_help_string(action), (command, action.dest)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    assert "``" not in capsys.readouterr().out
+
+
+def test_import_does_not_import_ray():
+    code = "import sys, sb3_influence, sb3_influence.bench; assert 'ray' not in sys.modules, 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_grid_through_ray(tmp_path):
+    ray = pytest.importorskip("ray", reason="install the distributed extra: pip install -e '.[distributed]'")
+    out = str(tmp_path)
+    jobs = bench.grid(["CartPole"], ["ppo", "iif"], [3], rounds=1, eval_episodes=2)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        lines = []
+        hours = bench.run_grid(jobs, out, workers=2, backend="ray", log=lines.append)
+    finally:
+        ray.shutdown()
+    assert hours > 0 and not bench.missing(jobs, out)
+    assert sum("CartPole sgd" in line for line in lines) == 2
+    # The runs are the same as in this process
+    local = bench.run_one("CartPole", "ppo", 3, str(tmp_path / "local"), rounds=1, eval_episodes=2)
+    with open(jobs[0].path(out)) as file:
+        assert json.load(file)["rows"][1]["eval_return"] == local["rows"][1]["eval_return"]
 
 
 def test_resolution_floors_creeping_curves():
@@ -212,3 +360,85 @@ def test_initial_weights_do_not_depend_on_the_callers_thread_count():
     finally:
         th.set_num_threads(previous)
     assert len(hashes) == 1
+
+
+def test_stratified_bootstrap_and_rliable_metrics():
+    metrics = pytest.importorskip("rliable.metrics", reason="install the bench extra: pip install -e '.[bench]'")
+    from sb3_influence.bench import stats
+
+    rng = np.random.default_rng(0)
+    scores = {"iif": rng.normal(0.8, 0.05, size=(10, 3)), "ppo": rng.normal(0.5, 0.05, size=(10, 3))}
+    result = stats.aggregate_metrics(scores, reps=300)
+    for arm, matrix in scores.items():
+        iqm = result[arm]["iqm"]
+        assert iqm["value"] == pytest.approx(metrics.aggregate_iqm(matrix))
+        assert iqm["ci"][0] < iqm["value"] < iqm["ci"][1]
+        assert result[arm]["optimality_gap"]["value"] == pytest.approx(metrics.aggregate_optimality_gap(matrix))
+    assert result["iif"]["iqm"]["ci"][0] > result["ppo"]["iqm"]["ci"][1]
+    # Stratified: each task keeps its own runs, so a constant column stays constant in every replicate
+    constant = np.column_stack([np.full(5, 2.0), rng.normal(size=5)])
+    low, high = stats.stratified_bootstrap_ci(constant, lambda m: float(m[:, 0].std()), reps=100)
+    assert low == high == 0.0
+    better = stats.probability_of_improvement(scores["iif"], scores["ppo"], reps=200)
+    assert better["value"] == 1.0 and better["ci"] == (1.0, 1.0)
+    assert stats.probability_of_improvement(scores["ppo"], scores["iif"], reps=50)["value"] == 0.0
+    assert stats.performance_profile(np.array([[0.1, 0.5], [0.9, 1.2]]), np.array([0.0, 0.5, 1.0])).tolist() == [
+        1.0,
+        0.5,
+        0.25,
+    ]
+    with pytest.raises(ValueError, match="runs × tasks"):
+        stats.stratified_bootstrap_ci(np.ones(3), np.mean)
+    with pytest.raises(ValueError, match="kind"):
+        stats.normalized_score(_fake_result("ppo", 0, [0.0, 1.0], [0.0, 1.0]), "FrozenLake", kind="best")
+
+
+def _fake_grid_run(out, env, setting, arm, seed, returns):
+    result = _fake_result(arm, seed, returns, range(len(returns)))
+    for row in result["rows"]:
+        row["cpu_time"] = float(row["round"])
+    result["config"].update(env=env, setting=setting, rounds=len(returns) - 1)
+    result["total_cpu_time"] = 36.0
+    bench.write_json(bench.result_path(out, env, setting, arm, seed), result)
+
+
+def test_docs_page_marks_incomplete_cells(tmp_path):
+    pytest.importorskip("rliable.metrics", reason="install the bench extra: pip install -e '.[bench]'")
+    from sb3_influence.bench.page import generate_page
+
+    out, legacy = str(tmp_path / "grid"), str(tmp_path / "legacy")
+    curves = {"ppo": [0.0, 0.2, 0.5, 0.9], "iif": [0.0, 0.5, 0.9, 0.9], "random": [0.0, 0.1, 0.4, 0.8]}
+    for seed in (0, 1):
+        for arm, returns in curves.items():
+            _fake_grid_run(out, "FrozenLake", "sgd", arm, seed, returns)
+            if seed == 0:
+                _fake_grid_run(out, "Acrobot", "sgd", arm, seed, [-500.0 + 100 * r for r in returns])
+    template = tmp_path / "page.md.in"
+    template.write_text(
+        "\n\n".join(
+            [
+                "# T",
+                *(
+                    "{{" + name + "}}"
+                    for name in ("status", "results", "incomplete", "paper", "aggregate", "reading", "one_record_collapses")
+                ),
+            ]
+        )
+    )
+    output = tmp_path / "docs" / "page.md"
+    output.parent.mkdir()
+    report = generate_page(str(template), str(output), str(tmp_path / "docs" / "fig"), out, legacy, seeds=(0, 1))
+    text = output.read_text()
+    assert report["complete"] == ["FrozenLake sgd"] and "Acrobot sgd" in report["incomplete"]
+    assert report["cpu_hours"] == pytest.approx(9 * 36.0 / 3600)
+    assert "| FrozenLake sgd | **faster** |" in text
+    assert "| Acrobot sgd | incomplete (1/2 seeds): no reading yet |" in text
+    assert "| Acrobot sgd | — | incomplete (1/2 seeds)" in text
+    assert "| FrozenLake | sgd | 50 | 2/2 | 2/2 | 2/2 | 0.06 | complete |" in text
+    assert "| highway | sgd | 100 | 0/2 | 0/2 | 0/2 | 0.00 | not started |" in text
+    assert "![grid, curve score](fig/aggregate_curve.png)" in text and (tmp_path / "docs/fig/aggregate_curve.png").exists()
+    assert "| FrozenLake sgd | iif | 0 of 0 | 0 of 6 | — |" in text
+    assert "Generated by `sb3-influence bench docs`" in text and "{{" not in text
+    template.write_text("{{results}} {{tables}}")
+    with pytest.raises(ValueError, match="unknown blocks \\['tables'\\]"):
+        generate_page(str(template), str(output), str(tmp_path / "fig"), out, legacy)

@@ -63,8 +63,10 @@ def test_every_key_is_a_real_parameter(config_name):
             callback_class = _get_class(path)
             assert set(kwargs) <= set(inspect.signature(callback_class.__init__).parameters)
             callback_class(**kwargs)
-        if env_id in OPTIONAL_ENVS and importlib.util.find_spec(OPTIONAL_ENVS[env_id]) is None:
-            continue
+        if env_id in OPTIONAL_ENVS:
+            if importlib.util.find_spec(OPTIONAL_ENVS[env_id]) is None:
+                continue
+            importlib.import_module(OPTIONAL_ENVS[env_id])  # registers its ids, as rl-zoo's gym_packages does
         assert env_id in gym.envs.registry, f"{env_id} is not a registered env"
         if "env_kwargs" in entry:
             gym.make(env_id, **entry["env_kwargs"]).close()

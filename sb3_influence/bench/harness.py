@@ -1,71 +1,30 @@
-"""The paired runs: the paper's environments and settings, one arm × env × seed per run, resumable."""
+"""
+One benchmark run: an arm trained on one cell of the protocol (:mod:`sb3_influence.bench.protocol`) with one seed,
+round by round, its result file written after every round.
+"""
 
-import dataclasses
 import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch as th
+from stable_baselines3.common.callbacks import BaseCallback
 
-
-ARMS = ("ppo", "iif", "random")
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvSpec:
-    """
-    One benchmark environment with the paper's settings (METHOD §4).
-
-    :param env_id: Gymnasium id.
-    :param fraction: IIF drop fraction ``p`` (rule ``"neg-bottom"``); the random arm drops the same fraction.
-    :param rounds: Number of rounds (rollouts + updates).
-    :param env_kwargs: Keyword arguments of ``gym.make``.
-    :param minigrid: Wrap with ``ImgObsWrapper`` and use the MiniGrid CNN.
-    :param exact_eval: Evaluate the stochastic policy exactly (tabular, deterministic env: FrozenLake) instead
-        of by sampling episodes.
-    :param eval_every: Evaluate every this many rounds (and after the last one).
-    :param resolution: Returns are floored to a multiple of this before computing the metrics (0: as measured).
-        Exact evaluation creeps towards its optimum by ever smaller steps, each of which would be a new PPO
-        "level"; 0.01 for FrozenLake gives levels of 1 % success probability.
-    """
-
-    env_id: str
-    fraction: float
-    rounds: int
-    env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    minigrid: bool = False
-    exact_eval: bool = False
-    eval_every: int = 1
-    resolution: float = 0.0
-
-
-ENVS: dict[str, EnvSpec] = {
-    "FrozenLake": EnvSpec(
-        "FrozenLake-v1", 0.5, 50, {"map_name": "4x4", "is_slippery": False}, exact_eval=True, resolution=0.01
-    ),
-    "Acrobot": EnvSpec("Acrobot-v1", 0.5, 50),
-    "MiniGrid": EnvSpec("MiniGrid-Empty-8x8-v0", 0.125, 40, minigrid=True),
-    "LunarLander": EnvSpec("LunarLander-v3", 0.125, 150, eval_every=3),
-    # Not in the paper: a few-second smoke test
-    "CartPole": EnvSpec("CartPole-v1", 0.5, 2),
-}
-
-# PPO settings shared by every arm (METHOD §4; gradient clipping disabled as in the authors' code)
-PPO_KWARGS: dict[str, Any] = dict(
-    learning_rate=5e-3,
-    n_steps=2048,
-    batch_size=64,
-    n_epochs=10,
-    gamma=0.99,
-    gae_lambda=0.95,
-    clip_range=0.2,
-    ent_coef=0.0,
-    vf_coef=0.5,
-    max_grad_norm=1e10,
+from sb3_influence.bench.evaluation import EVAL_ENVS, evaluate, make_eval_env
+from sb3_influence.bench.protocol import (
+    ARMS,
+    ENVS,
+    PPO_KWARGS,
+    VARIANTS,
+    EnvSpec,
+    cell_name,
+    check_names,
+    result_path,
+    run_kwargs,
 )
 
 
@@ -78,31 +37,42 @@ def make_env(spec: EnvSpec, n_envs: int, seed: int) -> Any:
     :param seed: Seed of the first environment.
     :return: A ``DummyVecEnv``.
     """
+    import importlib
+
     from stable_baselines3.common.env_util import make_vec_env
 
+    if spec.register is not None:
+        try:
+            importlib.import_module(spec.register)
+        except ImportError as error:
+            raise ImportError(
+                f"{spec.env_id} needs the {spec.register!r} package: pip install {spec.register.replace('_', '-')}"
+            ) from error
     wrapper = None
     if spec.minigrid:
-        import minigrid  # noqa: F401  (registers the MiniGrid ids)
         from minigrid.wrappers import ImgObsWrapper
 
         wrapper = ImgObsWrapper
     return make_vec_env(spec.env_id, n_envs=n_envs, seed=seed, env_kwargs=spec.env_kwargs, wrapper_class=wrapper)
 
 
-def make_model(spec: EnvSpec, seed: int, **overrides: Any) -> Any:
+def make_model(spec: EnvSpec, seed: int, setting: str = "sgd", **overrides: Any) -> Any:
     """
-    An ``InfluencePPO`` with the paper's settings (SGD, lr 5e-3, no gradient clipping) for ``spec``.
+    An ``InfluencePPO`` for ``spec`` with an optimizer setting of :data:`SETTINGS`.
 
     :param spec: The benchmark.
     :param seed: Seed (same seed, same initial weights, whatever the arm).
-    :param overrides: Replace any of :data:`PPO_KWARGS` (or add ``n_envs``, ``policy_kwargs``).
+    :param setting: A key of :data:`SETTINGS`.
+    :param overrides: Replace any keyword argument (``n_envs``, ``n_steps``, ``policy_kwargs``, ...).
     :return: The model.
     """
     from sb3_influence import InfluencePPO, MiniGridCNN
 
-    kwargs = {**PPO_KWARGS, **overrides}
-    n_envs = kwargs.pop("n_envs", 1)
-    policy_kwargs = {"optimizer_class": th.optim.SGD, **kwargs.pop("policy_kwargs", {})}
+    kwargs = {**run_kwargs(spec, setting), **overrides}
+    kwargs.pop("rounds")
+    n_envs = kwargs.pop("n_envs")
+    optimizer = {"sgd": th.optim.SGD, "adam": th.optim.Adam}[kwargs.pop("optimizer")]
+    policy_kwargs = {"optimizer_class": optimizer, **kwargs.pop("policy_kwargs", {})}
     policy = "MlpPolicy"
     if spec.minigrid:
         policy = "CnnPolicy"
@@ -118,22 +88,52 @@ def make_model(spec: EnvSpec, seed: int, **overrides: Any) -> Any:
         th.set_num_threads(previous)
 
 
-def make_callback(arm: str, fraction: float) -> Any:
+class DropPartialMinibatch(BaseCallback):
     """
-    The callback that turns ``InfluencePPO`` into an arm: none for ``ppo``, ``IIFCallback(rule="neg-bottom")`` for
-    ``iif``, ``IIFCallback(rule="random")`` for ``random``.
+    Drop the leftover partial minibatch of the kept records (the ``"drop-partial"`` variant): after the filters,
+    clear the keep mask of ``n_kept mod batch_size`` kept records drawn uniformly (model seed + round), so the
+    update takes ``n_epochs · floor(n_kept / batch_size)`` steps. (A data loader with ``drop_last`` drops other
+    leftover records every epoch; this drops the same ones in every epoch of a round.) Put it after the
+    ``IIFCallback`` in the callback list.
+    """
 
-    :param arm: ``"ppo"``, ``"iif"`` or ``"random"``.
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        model: Any = self.model
+        keep = model.rollout_buffer.keep
+        leftover = int(keep.sum()) % model.batch_size
+        if leftover:
+            rng = np.random.default_rng([int(model.seed or 0), int(model.num_timesteps)])
+            drop = rng.choice(np.flatnonzero(keep), size=leftover, replace=False)
+            keep[np.unravel_index(drop, keep.shape)] = False
+
+
+def make_callback(arm: str, fraction: float, variants: Sequence[str] = ()) -> Any:
+    """
+    The callback that turns ``InfluencePPO`` into an arm of :data:`ARMS`: none for an arm without a rule, else
+    ``IIFCallback(fraction, rule, **iif_kwargs)`` (followed by :class:`DropPartialMinibatch` with that variant).
+
+    :param arm: A key of :data:`ARMS`.
     :param fraction: The drop fraction ``p``.
+    :param variants: Keys of :data:`VARIANTS`.
     :return: A callback or ``None``.
     """
     if arm not in ARMS:
-        raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
-    if arm == "ppo":
+        raise ValueError(f"arm must be one of {sorted(ARMS)}, got {arm!r}")
+    check_names(variants=variants)
+    spec = ARMS[arm]
+    if spec.rule is None:
         return None
+    from stable_baselines3.common.callbacks import CallbackList
+
     from sb3_influence import IIFCallback  # type: ignore[attr-defined]
 
-    return IIFCallback(fraction=fraction, rule="neg-bottom" if arm == "iif" else "random")
+    callback = IIFCallback(fraction=fraction, rule=spec.rule, **spec.iif_kwargs)
+    if "drop-partial" in variants:
+        return CallbackList([callback, DropPartialMinibatch()])
+    return callback
 
 
 def parameter_hash(model: Any) -> str:
@@ -145,211 +145,188 @@ def parameter_hash(model: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-def exact_frozenlake_return(model: Any, env: Any) -> float:
-    """
-    Expected undiscounted return of the stochastic policy on a deterministic tabular env (FrozenLake,
-    ``is_slippery=False``) within its time limit, by dynamic programming over the transition table.
-
-    :param model: The model (discrete observations and actions).
-    :param env: One (unwrapped or wrapped) ``FrozenLake`` environment.
-    :return: The exact expected return (= success probability).
-    """
-    base = env.unwrapped
-    n_states, n_actions = base.observation_space.n, base.action_space.n
-    horizon = env.spec.max_episode_steps if env.spec is not None and env.spec.max_episode_steps else 100
-    with th.no_grad():
-        obs, _ = model.policy.obs_to_tensor(np.arange(n_states))
-        probs = model.policy.get_distribution(obs).distribution.probs.cpu().numpy().astype(np.float64)
-    value = np.zeros(n_states)
-    for _ in range(horizon):
-        new_value = np.zeros(n_states)
-        for state in range(n_states):
-            for action in range(n_actions):
-                for prob, next_state, reward, done in base.P[state][action]:
-                    new_value[state] += probs[state, action] * prob * (reward + (0.0 if done else value[next_state]))
-        value = new_value
-    return float(value[0])
-
-
-def evaluate(model: Any, spec: EnvSpec, episodes: int, seed: int) -> float:
-    """
-    Mean return of the stochastic policy (METHOD §4): exact for tabular specs, else ``episodes`` episodes on
-    ``min(episodes, 10)`` parallel environments seeded with ``seed``. The global torch RNG is restored
-    afterwards, so evaluating does not change the training run.
-
-    :param model: The model.
-    :param spec: The benchmark.
-    :param episodes: Number of evaluation episodes.
-    :param seed: Seed of the evaluation envs and action sampling (same across arms: paired evaluation).
-    :return: Mean return.
-    """
-    from stable_baselines3.common.evaluation import evaluate_policy
-
-    if spec.exact_eval:
-        import gymnasium as gym
-
-        env = gym.make(spec.env_id, **spec.env_kwargs)
-        return exact_frozenlake_return(model, env)
-    eval_env = make_env(spec, min(episodes, 10), seed)
-    with th.random.fork_rng(devices=[]):
-        th.manual_seed(seed)
-        mean = evaluate_policy(model, eval_env, n_eval_episodes=episodes, deterministic=False, warn=False)[0]
-    eval_env.close()
-    return float(np.mean(mean))
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def write_json(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file, then a rename), making the folder if needed."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as file:
         json.dump(data, file, indent=1)
     os.replace(tmp, path)
 
 
-def result_path(out: str, env: str, arm: str, seed: int) -> str:
-    """Where a run's per-round results go."""
-    return os.path.join(out, env, f"{arm}_seed{seed}.json")
+def run_config(
+    env: str,
+    setting: str,
+    arm: str,
+    seed: int,
+    variants: Sequence[str] = (),
+    rounds: int | None = None,
+    eval_episodes: int = 100,
+) -> dict[str, Any]:
+    """Everything that determines a run, as stored in its result file (a finished run with the same config is
+    skipped)."""
+    check_names(envs=[env], settings=[setting], arms=[arm], variants=variants)
+    spec = ENVS[env]
+    kwargs = run_kwargs(spec, setting, variants)
+    if rounds is not None:
+        kwargs["rounds"] = rounds
+    if kwargs["rounds"] < 1 or eval_episodes < 1:
+        raise ValueError(
+            f"rounds and eval_episodes must be >= 1, got rounds={kwargs['rounds']}, eval_episodes={eval_episodes}"
+        )
+    return {
+        "env": env,
+        "env_id": spec.env_id,
+        "setting": setting,
+        "variants": sorted(variants),
+        "arm": arm,
+        "rule": ARMS[arm].rule,
+        "seed": seed,
+        "fraction": spec.fraction,
+        "eval_episodes": "exact" if spec.exact_eval else eval_episodes,
+        "eval_envs": None if spec.exact_eval else min(eval_episodes, EVAL_ENVS),
+        "eval_every": spec.eval_every,
+        **kwargs,
+    }
 
 
 def run_one(
-    env: str, arm: str, seed: int, out: str, rounds: int | None = None, eval_episodes: int = 10, checkpoint_every: int = 10
+    env: str,
+    arm: str,
+    seed: int,
+    out: str,
+    setting: str = "sgd",
+    variants: Sequence[str] = (),
+    rounds: int | None = None,
+    eval_episodes: int = 100,
+    checkpoint_every: int = 10,
 ) -> dict[str, Any]:
     """
-    Train one arm on one benchmark, writing ``<out>/<env>/<arm>_seed<seed>.json`` after every round.
+    Train one arm on one cell, writing :func:`result_path` after every round; a finished run with the same
+    config is returned without training, an unfinished one resumes from its last checkpoint in ``<out>/raw/``.
 
     :param env: A key of :data:`ENVS`.
-    :param arm: ``"ppo"``, ``"iif"`` or ``"random"``.
+    :param arm: A key of :data:`ARMS`.
     :param seed: Seed (training env, initial weights); evaluation uses ``10_000 + seed`` in every arm.
     :param out: Results directory.
-    :param rounds: Number of rounds (default: the paper's).
+    :param setting: A key of :data:`SETTINGS`.
+    :param variants: Keys of :data:`VARIANTS`.
+    :param rounds: Number of rounds (default: the paper's budget of environment steps).
     :param eval_episodes: Stochastic evaluation episodes per evaluation (ignored for exact evaluation).
     :param checkpoint_every: Save the model under ``<out>/raw/`` every this many rounds (to resume).
     :return: The result dict (also on disk).
     """
+    config = run_config(env, setting, arm, seed, variants, rounds, eval_episodes)
     # One torch thread per run (runs go in parallel, one per core); the caller's setting is restored afterwards
     previous = th.get_num_threads()
     th.set_num_threads(1)
     try:
-        return _run_one(env, arm, seed, out, rounds, eval_episodes, checkpoint_every)
+        return _run_one(config, out, eval_episodes, checkpoint_every)
     finally:
         th.set_num_threads(previous)
 
 
-def _run_one(
-    env: str, arm: str, seed: int, out: str, rounds: int | None, eval_episodes: int, checkpoint_every: int
-) -> dict[str, Any]:
+def _load(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as file:
+        return json.load(file)
+
+
+def _reuse_unfiltered(config: dict[str, Any], out: str, eval_episodes: int) -> dict[str, Any] | None:
+    """The finished run of an arm without a rule in the cell without the variants, when the variants only change
+    filtering (so training would repeat it bit for bit); ``None`` otherwise."""
+    variants = config["variants"]
+    if ARMS[config["arm"]].rule is not None or not variants or not all(VARIANTS[v].filtering_only for v in variants):
+        return None
+    base_config = run_config(
+        config["env"], config["setting"], config["arm"], config["seed"], (), config["rounds"], eval_episodes
+    )
+    base_path = result_path(out, config["env"], config["setting"], config["arm"], config["seed"])
+    base = _load(base_path)
+    if base is None or not base.get("complete") or base.get("config") != base_config:
+        return None
+    # The CPU time was spent once, by the run reused: not counted again
+    return {**base, "config": config, "reused_from": os.path.relpath(base_path, out), "total_cpu_time": 0.0}
+
+
+def _run_one(config: dict[str, Any], out: str, eval_episodes: int, checkpoint_every: int) -> dict[str, Any]:
     from sb3_influence import InfluencePPO
 
-    if env not in ENVS:
-        raise ValueError(f"env must be one of {sorted(ENVS)}, got {env!r}")
-    spec = ENVS[env]
-    rounds = spec.rounds if rounds is None else rounds
-    if rounds < 1 or eval_episodes < 1:
-        raise ValueError(f"rounds and eval_episodes must be >= 1, got {rounds} and {eval_episodes}")
-    path = result_path(out, env, arm, seed)
-    config = {"env": env, "env_id": spec.env_id, "arm": arm, "seed": seed, "rounds": rounds, "fraction": spec.fraction,
-              "eval_episodes": "exact" if spec.exact_eval else eval_episodes, "eval_every": spec.eval_every,
-              "optimizer": "SGD", **PPO_KWARGS}  # fmt: skip
-    if os.path.exists(path):
-        with open(path) as file:
-            previous = json.load(file)
-        if previous.get("config") == config and previous.get("complete"):
-            return previous
+    env, arm, seed, setting, variants = config["env"], config["arm"], config["seed"], config["setting"], config["variants"]
+    spec, rounds = ENVS[env], config["rounds"]
+    path = result_path(out, env, setting, arm, seed, variants)
+    previous = _load(path)
+    if previous is not None and previous.get("config") == config and previous.get("complete"):
+        return previous
+    reused = _reuse_unfiltered(config, out, eval_episodes)
+    if reused is not None:
+        write_json(path, reused)
+        return reused
+    cpu_start = time.process_time()
     eval_seed = 10_000 + seed
-    checkpoint = os.path.join(out, "raw", env, f"{arm}_seed{seed}.zip")
-    model = make_model(spec, seed)
+    checkpoint = os.path.join(out, "raw", env, cell_name(setting, variants), f"{arm}_seed{seed}.zip")
+    overrides = {key: config[key] for key in ("n_envs", *PPO_KWARGS, "learning_rate", "max_grad_norm")}
+    model = make_model(spec, seed, setting, **overrides)
+    eval_env = make_eval_env(spec, eval_episodes, eval_seed)
     result: dict[str, Any] = {"config": config, "init_hash": parameter_hash(model), "complete": False, "rows": []}
     start = 1
-    if os.path.exists(path) and os.path.exists(checkpoint):
-        with open(path) as file:
-            previous = json.load(file)
-        done = previous.get("checkpoint_round", 0)
-        if previous.get("config") == config and done > 0:
-            model = InfluencePPO.load(checkpoint, env=model.get_env())
-            # A resumed run is reproducible, but not the same as an uninterrupted one (fresh RNG streams)
-            model.set_random_seed(seed + 1_000 * done)
-            result = {**previous, "rows": [row for row in previous["rows"] if row["round"] <= done]}
-            result.setdefault("resumed_at", []).append(done)
-            start = done + 1
+    done = previous.get("checkpoint_round", 0) if previous is not None and previous.get("config") == config else 0
+    if previous is not None and done > 0 and os.path.exists(checkpoint):
+        model = InfluencePPO.load(checkpoint, env=model.get_env())
+        # A resumed run is reproducible, but not the same as an uninterrupted one (fresh RNG streams)
+        model.set_random_seed(seed + 1_000 * done)
+        result = {**previous, "rows": [row for row in previous["rows"] if row["round"] <= done]}
+        result.setdefault("resumed_at", []).append(done)
+        start = done + 1
     if start == 1:
-        initial = evaluate(model, spec, eval_episodes, eval_seed)
+        tic = time.process_time()
+        initial = evaluate(model, spec, eval_episodes, eval_seed, eval_env)
         result["rows"].append(
-            dict(round=0, timesteps=0, wall_time=0.0, round_time=0.0, cpu_time=0.0, eval_return=initial, kept_fraction=1.0)
+            dict(
+                round=0,
+                timesteps=0,
+                wall_time=0.0,
+                round_time=0.0,
+                cpu_time=0.0,
+                eval_cpu_time=time.process_time() - tic,
+                eval_return=initial,
+                kept_fraction=1.0,
+            )
         )
-    callback = make_callback(arm, spec.fraction)
+    callback = make_callback(arm, spec.fraction, variants)
     n_round = model.n_steps * model.n_envs
     wall, cpu = result["rows"][-1]["wall_time"], result["rows"][-1].get("cpu_time", float("nan"))
+    spent = result.get("total_cpu_time", 0.0) if start > 1 else 0.0
     for round_ in range(start, rounds + 1):
         # Wall-clock and process CPU time of the round (rollout + scoring + update), evaluation excluded. On a
         # shared machine the CPU time of this single-threaded process is the load-independent measure.
         tic, cpu_tic = time.perf_counter(), time.process_time()
-        model.learn(n_round, callback=callback, reset_num_timesteps=False)
+        filtering = callback if round_ > 1 or "first-unfiltered" not in variants else None
+        model.learn(n_round, callback=filtering, reset_num_timesteps=False)
         round_time = time.perf_counter() - tic
         wall += round_time
         cpu += time.process_time() - cpu_tic
-        row = dict(round=round_, timesteps=int(model.num_timesteps), wall_time=wall, round_time=round_time, cpu_time=cpu,
-                   kept_fraction=float(model.rollout_buffer.flat_keep.mean()), eval_return=None)  # fmt: skip
+        row = dict(
+            round=round_,
+            timesteps=int(model.num_timesteps),
+            wall_time=wall,
+            round_time=round_time,
+            cpu_time=cpu,
+            kept_fraction=float(model.rollout_buffer.flat_keep.mean()),
+            eval_return=None,
+        )
         if round_ % spec.eval_every == 0 or round_ == rounds:
-            row["eval_return"] = evaluate(model, spec, eval_episodes, eval_seed)
+            tic = time.process_time()
+            row["eval_return"] = evaluate(model, spec, eval_episodes, eval_seed, eval_env)
+            row["eval_cpu_time"] = time.process_time() - tic
         result["rows"].append(row)
         if round_ % checkpoint_every == 0 and round_ < rounds:
             model.save(checkpoint)
             result["checkpoint_round"] = round_
         result["complete"] = round_ == rounds
-        _write_json(path, result)
+        # Everything this process spent on the run (setup, rounds, evaluations), summed over resumptions
+        result["total_cpu_time"] = spent + time.process_time() - cpu_start
+        write_json(path, result)
+    eval_env.close()
     return result
-
-
-def _run_job(job: tuple[str, str, int, str, int | None, int, int]) -> str:
-    env, arm, seed, out, rounds, eval_episodes, niceness = job
-    if niceness:
-        os.nice(niceness)
-    tic = time.perf_counter()
-    run_one(env, arm, seed, out, rounds=rounds, eval_episodes=eval_episodes)
-    return f"{env} {arm} seed {seed}: {time.perf_counter() - tic:.0f} s"
-
-
-def run_all(
-    envs: Sequence[str],
-    arms: Sequence[str],
-    seeds: Sequence[int],
-    out: str,
-    workers: int = 2,
-    rounds: int | None = None,
-    eval_episodes: int = 10,
-    niceness: int = 0,
-    log: Callable[[str], None] = print,
-) -> None:
-    """
-    Run every (env, arm, seed), ``workers`` processes in parallel (one torch thread each), in the order given:
-    environment by environment, PPO and IIF of every seed before random filtering.
-
-    :param envs: Keys of :data:`ENVS`.
-    :param arms: Subset of :data:`ARMS`.
-    :param seeds: Seeds.
-    :param out: Results directory.
-    :param workers: Parallel processes (1: run in this process).
-    :param rounds: Rounds per run (default: each env's paper value).
-    :param eval_episodes: Evaluation episodes.
-    :param niceness: Added to the workers' nice value.
-    :param log: Where progress lines go.
-    """
-    for name in envs:
-        if name not in ENVS:
-            raise ValueError(f"unknown env {name!r}: choose from {sorted(ENVS)}")
-    for arm in arms:
-        if arm not in ARMS:
-            raise ValueError(f"unknown arm {arm!r}: choose from {ARMS}")
-    if (rounds is not None and rounds < 1) or eval_episodes < 1:
-        raise ValueError(f"rounds and eval_episodes must be >= 1, got rounds={rounds}, eval_episodes={eval_episodes}")
-    order = sorted(arms, key=ARMS.index)
-    jobs = [(env, arm, seed, out, rounds, eval_episodes, niceness) for env in envs for arm in order for seed in seeds]
-    if workers <= 1:
-        for job in jobs:
-            log(_run_job(job))
-        return
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1) as pool:
-        for line in pool.imap(_run_job, jobs):
-            log(line)

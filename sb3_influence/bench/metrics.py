@@ -1,4 +1,7 @@
-"""The paper's speed-up metrics (METHOD §6) and bootstrap confidence intervals."""
+"""
+The speed-up metrics of Hu et al., "A Snapshot of Influence" (arXiv 2505.19281), Sec. 5 — how much sooner IIF
+reaches the test returns standard PPO reaches — and bootstrap confidence intervals.
+"""
 
 from collections.abc import Sequence
 
@@ -11,7 +14,7 @@ Ints = Sequence[int] | np.ndarray
 
 def first_round(rounds: Ints, returns: Floats, level: float) -> int | None:
     """
-    ``m(v)``: the first round whose test return is ``>= level`` (METHOD §6).
+    ``m(v)``: the first round whose test return is ``>= level`` (the paper's Sec. 5).
 
     :param rounds: Round numbers, increasing.
     :param returns: Test return evaluated after each of those rounds.
@@ -58,7 +61,7 @@ def speedup_metrics(
     resolution: float = 0.0,
 ) -> dict[str, float]:
     """
-    SE_ave, SE_peak and (with times) RT_peak of one paired run (METHOD §6). A level the new method never reaches
+    SE_ave, SE_peak and (with times) RT_peak of one paired run (the paper's Sec. 5). A level the new method never reaches
     counts as reached one round after the last (so the reduction is penalised rather than dropped).
 
     :param rounds: Evaluation rounds, shared by both curves (0 = initial policy allowed).
@@ -108,7 +111,8 @@ def speedup_metrics(
 
 def bootstrap_ci(values: Floats, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
     """
-    Percentile bootstrap confidence interval of the mean (numpy; rliable is not a dependency).
+    Percentile bootstrap confidence interval of the mean over seeds of one cell (for aggregates over cells see
+    :mod:`sb3_influence.bench.stats`).
 
     :param values: One value per seed (NaNs are dropped).
     :param n_boot: Bootstrap resamples.

@@ -1,4 +1,4 @@
-"""Reading the runs back: metrics per seed, the results table and the learning-curve plots."""
+"""Reading the runs back: metrics per seed and per cell, the results tables and the learning-curve plots."""
 
 import json
 import os
@@ -7,20 +7,24 @@ from typing import Any
 
 import numpy as np
 
-from sb3_influence.bench.harness import ARMS, ENVS
+from sb3_influence.bench.protocol import ARMS, ENVS, cell_name
 from sb3_influence.bench.metrics import bootstrap_ci, speedup_metrics
 
 
-def load_runs(out: str, env: str) -> dict[str, dict[int, dict[str, Any]]]:
-    """
-    The complete runs of one benchmark: ``{arm: {seed: result}}``.
+def cell_directory(out: str, env: str, setting: str | None = None, variants: Sequence[str] = ()) -> str:
+    """The folder of a cell's result files: ``<out>/<env>/<setting>[+variants]``, or ``<out>/<env>`` for the
+    legacy layout (``setting=None``: ``benchmarks/results/legacy``)."""
+    return os.path.join(out, env) if setting is None else os.path.join(out, env, cell_name(setting, variants))
 
-    :param out: Results directory.
-    :param env: A key of :data:`ENVS`.
+
+def load_runs(directory: str) -> dict[str, dict[int, dict[str, Any]]]:
+    """
+    The complete runs of one cell: ``{arm: {seed: result}}``.
+
+    :param directory: The cell's folder (:func:`cell_directory`).
     :return: The results (incomplete runs are left out).
     """
     runs: dict[str, dict[int, dict[str, Any]]] = {}
-    directory = os.path.join(out, env)
     if not os.path.isdir(directory):
         return runs
     for name in sorted(os.listdir(directory)):
@@ -49,33 +53,40 @@ def curve(result: dict[str, Any], clock: str = "wall_time") -> tuple[np.ndarray,
     )
 
 
-def summarize(out: str, env: str, final_window: int = 5) -> dict[str, Any]:
-    """
-    Paired metrics of IIF and random filtering against PPO on one benchmark, per seed and aggregated (mean,
-    standard error and 95 % percentile-bootstrap CI over seeds). Checks identical initial weights per seed.
+def _aggregate(values: Sequence[float]) -> dict[str, Any]:
+    array = np.asarray(values, dtype=np.float64)
+    finite = array[np.isfinite(array)]
+    se = float(finite.std(ddof=1) / np.sqrt(len(finite))) if len(finite) > 1 else float("nan")
+    return {"mean": float(finite.mean()) if len(finite) else float("nan"), "se": se, "ci": bootstrap_ci(finite)}
 
-    :param out: Results directory.
-    :param env: A key of :data:`ENVS`.
-    :param final_window: The final return is the mean of the last this-many evaluations.
-    :return: ``{arm: {"per_seed": {...}, metric: {"mean", "se", "ci"}}}`` for the filtering arms.
+
+def summarize(directory: str, env: str, final_window: int = 5) -> dict[str, Any]:
     """
-    runs = load_runs(out, env)
+    Paired metrics of every filtering arm against PPO in one cell, per seed and aggregated (mean, standard error
+    and 95 % percentile-bootstrap CI over seeds). Checks identical initial weights per seed.
+
+    :param directory: The cell's folder (:func:`cell_directory`).
+    :param env: A key of :data:`~sb3_influence.bench.harness.ENVS` (for the return resolution).
+    :param final_window: The final return is the mean of the last this-many evaluations.
+    :return: ``{arm: {"per_seed": {...}, metric: {"mean", "se", "ci"}}}`` for the arms with a PPO seed to pair.
+    """
+    runs = load_runs(directory)
     summary: dict[str, Any] = {}
-    for arm in ("iif", "random"):
-        seeds = sorted(set(runs.get(arm, {})) & set(runs.get("ppo", {})))
+    for arm in [name for name in runs if name != "ppo"]:
+        seeds = sorted(set(runs[arm]) & set(runs.get("ppo", {})))
         if not seeds:
             continue
         per_seed = {}
         for seed in seeds:
             base, new = runs["ppo"][seed], runs[arm][seed]
             if base["init_hash"] != new["init_hash"]:
-                raise RuntimeError(f"{env} seed {seed}: ppo and {arm} did not start from the same initial weights")
+                raise RuntimeError(f"{directory} seed {seed}: ppo and {arm} did not start from the same initial weights")
             # CPU time when both runs have it (load-independent on a shared machine), else wall-clock time
             clock = "cpu_time" if time_key(base) == time_key(new) == "cpu_time" else "wall_time"
             rounds, ppo_ret, ppo_time = curve(base, clock)
             rounds_new, new_ret, new_time = curve(new, clock)
             if not np.array_equal(rounds, rounds_new):
-                raise RuntimeError(f"{env} seed {seed}: ppo and {arm} were evaluated at different rounds")
+                raise RuntimeError(f"{directory} seed {seed}: ppo and {arm} were evaluated at different rounds")
             metrics: dict[str, Any] = speedup_metrics(rounds, ppo_ret, new_ret, ppo_time, new_time, ENVS[env].resolution)
             metrics["clock"] = clock
             metrics["final_gain"] = float(new_ret[-final_window:].mean() - ppo_ret[-final_window:].mean())
@@ -84,70 +95,76 @@ def summarize(out: str, env: str, final_window: int = 5) -> dict[str, Any]:
             per_seed[seed] = metrics
         entry: dict[str, Any] = {"per_seed": per_seed}
         for key in ("se_ave", "se_peak", "rt_peak", "final_gain", "auc_gain", "round_time_ratio"):
-            values = np.array([m[key] for m in per_seed.values()], dtype=np.float64)
-            finite = values[np.isfinite(values)]
-            se = float(finite.std(ddof=1) / np.sqrt(len(finite))) if len(finite) > 1 else float("nan")
-            entry[key] = {"mean": float(finite.mean()) if len(finite) else float("nan"), "se": se, "ci": bootstrap_ci(finite)}
+            entry[key] = _aggregate([m[key] for m in per_seed.values()])
         summary[arm] = entry
     return summary
 
 
-def plot(out: str, env: str, path: str) -> None:
+def plot(directory: str, env: str, path: str, title: str | None = None) -> bool:
     """
-    Learning curves (mean over seeds, shaded 95 % bootstrap CI of the mean) of every arm, saved to ``path``.
+    Learning curves (mean over seeds, shaded 95 % bootstrap CI of the mean) of every arm of one cell.
 
-    :param out: Results directory.
-    :param env: A key of :data:`ENVS`.
+    :param directory: The cell's folder (:func:`cell_directory`).
+    :param env: A key of :data:`~sb3_influence.bench.harness.ENVS`.
     :param path: Output image.
+    :param title: Plot title (default: the environment).
+    :return: Whether a plot was written (``False`` when the cell has no complete run).
     """
+    runs = load_runs(directory)
+    if not runs:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = load_runs(out, env)
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    for arm, color in zip(ARMS, ("tab:blue", "tab:red", "tab:gray"), strict=True):
+    for arm, spec in ARMS.items():
         if arm not in runs:
             continue
         curves = [curve(result) for result in runs[arm].values()]
         rounds = curves[0][0]
         returns = np.stack([c[1] for c in curves if np.array_equal(c[0], rounds)])
-        mean = returns.mean(axis=0)
         low, high = np.array([bootstrap_ci(column, n_boot=2000) for column in returns.T]).T
-        ax.plot(
-            rounds, mean, color=color, label=f"{arm.upper() if arm != 'random' else 'random filter'} ({len(returns)} seeds)"
-        )
-        ax.fill_between(rounds, low, high, color=color, alpha=0.2)
+        ax.plot(rounds, returns.mean(axis=0), color=spec.color, label=f"{spec.label} ({len(returns)} seeds)")
+        ax.fill_between(rounds, low, high, color=spec.color, alpha=0.2)
     ax.set_xlabel("round")
     ax.set_ylabel("test return (stochastic policy)")
-    ax.set_title(f"{env} ({ENVS[env].env_id})")
+    ax.set_title(title or f"{env} ({ENVS[env].env_id})", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
-def _percent(entry: dict[str, Any]) -> str:
+def percent(entry: dict[str, Any]) -> str:
+    """``"mean ± se %"`` of an aggregated fraction, ``"n/a"`` when there is none."""
     if not np.isfinite(entry["mean"]):
         return "n/a"
-    return f"{100 * entry['mean']:.1f} ± {100 * entry['se']:.1f} %"
+    se = f" ± {100 * entry['se']:.1f}" if np.isfinite(entry["se"]) else ""
+    return f"{100 * entry['mean']:.1f}{se} %"
 
 
-def markdown_table(out: str, envs: Sequence[str]) -> str:
-    """The results table of ``docs/benchmarks.md`` (IIF and random filtering vs PPO, mean ± s.e. over seeds)."""
+def markdown_table(cells: Sequence[tuple[str, str, str]]) -> str:
+    """
+    The results table: every filtering arm against PPO (mean ± s.e. over seeds) in each cell.
+
+    :param cells: ``(label, directory, env)`` of each cell.
+    :return: A Markdown table, one line per cell and arm.
+    """
     lines = [
-        "| env | arm | seeds | SE_ave | SE_peak | RT_peak | final gain [95 % CI] | mean-curve gain | time vs PPO | clock |",
+        "| cell | arm | seeds | SE_ave | SE_peak | RT_peak | final gain [95 % CI] | mean-curve gain | time vs PPO | clock |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for env in envs:
-        for arm, entry in summarize(out, env).items():
+    for label, directory, env in cells:
+        for arm, entry in summarize(directory, env).items():
             gain, auc, ratio = entry["final_gain"], entry["auc_gain"], entry["round_time_ratio"]
             clocks = "/".join(sorted({m["clock"].replace("_time", "") for m in entry["per_seed"].values()}))
             lines.append(
-                f"| {env} | {arm} | {len(entry['per_seed'])} | {_percent(entry['se_ave'])} | {_percent(entry['se_peak'])} | "
-                f"{_percent(entry['rt_peak'])} | {gain['mean']:+.3g} [{gain['ci'][0]:+.3g}, {gain['ci'][1]:+.3g}] | "
+                f"| {label} | {arm} | {len(entry['per_seed'])} | {percent(entry['se_ave'])} | {percent(entry['se_peak'])} | "
+                f"{percent(entry['rt_peak'])} | {gain['mean']:+.3g} [{gain['ci'][0]:+.3g}, {gain['ci'][1]:+.3g}] | "
                 f"{auc['mean']:+.3g} | {ratio['mean']:.3f} | {clocks} |"
             )
     return "\n".join(lines)

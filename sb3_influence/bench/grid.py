@@ -1,0 +1,199 @@
+"""
+The grid of runs (environment × optimizer setting × arm × seed), what of it is missing, and its dispatch: Ray
+(locally or on a cluster), a local process pool, or this process.
+"""
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from sb3_influence.bench.harness import run_config, run_one, write_json
+from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, check_names, result_path
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One run of the grid (the arguments of :func:`~sb3_influence.bench.harness.run_one`)."""
+
+    env: str
+    setting: str
+    arm: str
+    seed: int
+    variants: tuple[str, ...] = ()
+    rounds: int | None = None
+    eval_episodes: int = 100
+
+    def path(self, out: str) -> str:
+        """Its result file."""
+        return result_path(out, self.env, self.setting, self.arm, self.seed, self.variants)
+
+    def finished(self, out: str) -> bool:
+        """Whether its result file holds a complete run with the same config."""
+        path = self.path(out)
+        if not os.path.exists(path):
+            return False
+        with open(path) as file:
+            result = json.load(file)
+        config = run_config(self.env, self.setting, self.arm, self.seed, self.variants, self.rounds, self.eval_episodes)
+        return bool(result.get("complete")) and result.get("config") == config
+
+    def describe(self) -> str:
+        variants = "".join(f"+{v}" for v in self.variants)
+        return f"{self.env} {self.setting}{variants} {self.arm} seed {self.seed}"
+
+
+def grid(
+    envs: Sequence[str] = PAPER_ENVS,
+    arms: Sequence[str] = tuple(ARMS),
+    seeds: Sequence[int] = (0, 1, 2, 3, 4),
+    settings: Sequence[str] | None = None,
+    variants: Sequence[str] = (),
+    rounds: int | None = None,
+    eval_episodes: int = 100,
+) -> list[Job]:
+    """
+    The jobs of a grid, environment by environment and setting by setting; within a cell PPO and IIF of every
+    seed before the other arms (so that paired results come first).
+
+    :param envs: Keys of :data:`~sb3_influence.bench.harness.ENVS`.
+    :param arms: Keys of :data:`~sb3_influence.bench.harness.ARMS`.
+    :param seeds: Seeds.
+    :param settings: Keys of :data:`~sb3_influence.bench.harness.SETTINGS`; ``None``: each environment's own
+        protocol settings (``EnvSpec.settings``).
+    :param variants: Keys of :data:`~sb3_influence.bench.harness.VARIANTS`, applied to every cell.
+    :param rounds: Rounds per run (default: each cell's budget).
+    :param eval_episodes: Evaluation episodes.
+    :return: The jobs.
+    """
+    check_names(envs=envs, settings=settings or (), arms=arms, variants=variants)
+    if not seeds:
+        raise ValueError("seeds is empty: give at least one seed, e.g. --seeds 0 1 2 3 4")
+    order = sorted(dict.fromkeys(arms), key=list(ARMS).index)
+    first, rest = [a for a in order if a in ("ppo", "iif")], [a for a in order if a not in ("ppo", "iif")]
+    jobs = []
+    for env in envs:
+        for setting in ENVS[env].settings if settings is None else settings:
+            for group in (first, rest):
+                jobs += [
+                    Job(env, setting, arm, seed, tuple(sorted(variants)), rounds, eval_episodes)
+                    for seed in seeds
+                    for arm in group
+                ]
+    for job in jobs:  # validates rounds and eval_episodes before anything runs
+        run_config(job.env, job.setting, job.arm, job.seed, job.variants, job.rounds, job.eval_episodes)
+    return jobs
+
+
+def missing(jobs: Sequence[Job], out: str) -> list[Job]:
+    """The jobs whose result file does not hold a finished run."""
+    return [job for job in jobs if not job.finished(out)]
+
+
+def _execute(job: Job, out: str, niceness: int) -> tuple[str, dict[str, Any]]:
+    if niceness:
+        os.nice(niceness)
+    tic = time.perf_counter()
+    result = run_one(job.env, job.arm, job.seed, out, job.setting, job.variants, job.rounds, job.eval_episodes)
+    hours = result.get("total_cpu_time", float("nan")) / 3600
+    line = f"{job.describe()}: {time.perf_counter() - tic:.0f} s, {hours:.3f} CPU h"
+    return line, result
+
+
+def _execute_star(args: tuple[Job, str, int]) -> tuple[str, dict[str, Any]]:
+    return _execute(*args)
+
+
+def _ray_results(jobs: Sequence[Job], out: str, workers: int, niceness: int, address: str | None) -> Iterator[Any]:
+    try:
+        import ray
+    except ImportError as error:
+        raise ImportError(
+            "backend 'ray' needs Ray: pip install 'sb3_influence[distributed]' (or use --backend process)"
+        ) from error
+    started = not ray.is_initialized()
+    if started:
+        if address is None:
+            # A new Ray instance on this machine, even if a stale cluster address is lying around
+            ray.init(address="local", num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        else:
+            # A running cluster (sb3_influence must be installed on its nodes); ray:// addresses use Ray Client
+            ray.init(address=address, log_to_driver=False)
+    try:
+        # One CPU per run: each run uses one torch thread
+        remote = ray.remote(num_cpus=1, max_calls=1)(_execute)
+        pending = [remote.remote(job, out, niceness) for job in jobs]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            yield ray.get(done[0])
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run_grid(
+    jobs: Sequence[Job],
+    out: str,
+    workers: int = 2,
+    backend: str = "auto",
+    address: str | None = None,
+    niceness: int = 0,
+    log: Callable[[str], None] = print,
+) -> float:
+    """
+    Run the jobs that are not finished yet and write their result files.
+
+    :param jobs: From :func:`grid`.
+    :param out: Results directory (on a Ray cluster the driver writes each finished result here too).
+    :param workers: Runs at a time on this machine (ignored with ``address``: the cluster's CPUs decide).
+    :param backend: ``"ray"``, ``"process"`` (a local process pool; ``workers=1`` runs in this process) or
+        ``"auto"`` (Ray when it is installed or ``address`` is given, else ``"process"``).
+    :param address: Address of a Ray cluster (``ray.init(address=...)``); ``None``: start Ray locally.
+    :param niceness: Added to the workers' nice value.
+    :param log: Where progress lines go.
+    :return: CPU hours spent by the finished runs of ``jobs`` (all of them, including earlier invocations).
+    """
+    if backend not in ("auto", "ray", "process"):
+        raise ValueError(f"backend must be 'auto', 'ray' or 'process', got {backend!r}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if backend == "auto":
+        import importlib.util
+
+        backend = "ray" if address is not None or importlib.util.find_spec("ray") is not None else "process"
+    todo = missing(jobs, out)
+    log(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished; running {len(todo)} with backend {backend!r}")
+    if todo:
+        if backend == "ray":
+            results: Iterator[Any] = _ray_results(todo, out, workers, niceness, address)
+        elif workers == 1:
+            results = (_execute(job, out, niceness) for job in todo)
+        else:
+            import multiprocessing
+
+            pool = multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1)
+            results = pool.imap(_execute_star, [(job, out, niceness) for job in todo])
+        for line, result in results:
+            config = result["config"]
+            job = Job(config["env"], config["setting"], config["arm"], config["seed"], tuple(config["variants"]))
+            write_json(job.path(out), result)
+            log(line)
+        if backend == "process" and workers > 1:
+            pool.close()
+            pool.join()
+    hours = cpu_hours(jobs, out)
+    log(f"CPU time of the {len(jobs) - len(missing(jobs, out))} finished runs: {hours:.2f} h")
+    return hours
+
+
+def cpu_hours(jobs: Sequence[Job], out: str) -> float:
+    """Total CPU hours (``total_cpu_time``) recorded in the result files of ``jobs`` (unfinished ones included)."""
+    total = 0.0
+    for job in jobs:
+        path = job.path(out)
+        if os.path.exists(path):
+            with open(path) as file:
+                total += json.load(file).get("total_cpu_time", 0.0)
+    return total / 3600

@@ -1,0 +1,436 @@
+"""
+``sb3-influence bench docs``: regenerate ``docs/benchmarks.md`` from the result files.
+
+The prose is hand-written in a Markdown template (``benchmarks/benchmarks.md.in``); every ``{{name}}`` in it is
+replaced by a generated block (tables, figure links) listed in :data:`BLOCKS`. A cell whose runs are not all
+finished is shown as incomplete, never as a result.
+"""
+
+import itertools
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from sb3_influence.bench.grid import Job, cpu_hours, grid
+from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, SETTINGS, run_kwargs
+from sb3_influence.bench.summary import load_runs, markdown_table, percent, plot, summarize
+
+# The paper's IIF numbers (Hu et al. 2025): SE_ave, SE_peak, RT_peak as (mean, s.e.) in percent (Sec. 5 main
+# results; Table 3 for Adam, which reports no RT_peak) and the 95 % CI of the final-return gain (Table 4)
+PAPER: dict[tuple[str, str], dict[str, Any]] = {
+    ("FrozenLake", "sgd"): {"se_ave": (34.0, 2.0), "se_peak": (19.2, 5.9), "rt_peak": (29.5, 2.9)},
+    ("Acrobot", "sgd"): {"se_ave": (36.7, 6.5), "se_peak": (48.5, 0.8), "rt_peak": (55.2, 1.0)},
+    ("MiniGrid", "sgd"): {"se_ave": (65.8, 3.3), "se_peak": (61.7, 4.1), "rt_peak": (69.1, 1.7), "final_ci": (0.04, 0.33)},
+    ("highway", "sgd"): {"se_ave": (37.7, 6.1), "se_peak": (55.1, 2.9), "rt_peak": (59.9, 0.7)},
+    ("LunarLander", "sgd"): {"se_ave": (26.0, 1.8), "se_peak": (39.7, 3.7), "rt_peak": (44.9, 2.5), "final_ci": (22.5, 130.5)},
+    ("BipedalWalker", "adam3e-4"): {
+        "se_ave": (31.0, 8.7),
+        "se_peak": (26.2, 8.0),
+        "rt_peak": (29.2, 0.7),
+        "final_ci": (24.4, 76.0),
+    },
+    ("LunarLander", "adam1e-3"): {"se_ave": (46.7, None), "se_peak": (62.2, None)},
+    ("MiniGrid", "adam1e-3"): {"se_ave": (24.1, None), "se_peak": (13.3, None)},
+}
+
+BLOCKS = (
+    "status",
+    "cost",
+    "results",
+    "incomplete",
+    "paper",
+    "aggregate",
+    "reading",
+    "curves",
+    "partial_minibatches",
+    "one_record_collapses",
+    "reproduction",
+    "legacy_results",
+    "legacy_paper",
+    "legacy_aggregate",
+    "legacy_curves",
+)
+
+
+class _Cell:
+    """One environment × setting (× variants) folder of results, and how complete it is."""
+
+    def __init__(self, out: str, env: str, name: str, seeds: Sequence[int], legacy: bool = False):
+        self.env, self.name, self.legacy = env, name, legacy
+        self.directory = os.path.join(out, env) if legacy else os.path.join(out, env, name)
+        self.runs = load_runs(self.directory)
+        self.seeds = list(seeds)
+        self.label = f"{env}" if legacy else f"{env} {name}"
+
+    def complete_seeds(self, arm: str) -> list[int]:
+        return sorted(set(self.runs.get(arm, {})) & set(self.seeds))
+
+    @property
+    def complete(self) -> bool:
+        return all(len(self.complete_seeds(arm)) == len(self.seeds) for arm in ARMS)
+
+    @property
+    def paired(self) -> bool:
+        return bool(set(self.complete_seeds("ppo")) & set().union(*(self.complete_seeds(a) for a in ARMS if a != "ppo")))
+
+    def row(self) -> tuple[str, str, str]:
+        return (self.label, self.directory, self.env)
+
+
+def _cells(out: str, seeds: Sequence[int]) -> list[_Cell]:
+    """The protocol's cells (:data:`PAPER_ENVS` × their settings) and every variant cell found on disk."""
+    cells = []
+    for env in PAPER_ENVS:
+        names = list(ENVS[env].settings)
+        folder = os.path.join(out, env)
+        if os.path.isdir(folder):
+            names += sorted(n for n in os.listdir(folder) if n not in names and n.split("+")[0] in SETTINGS)
+        cells += [_Cell(out, env, name, seeds) for name in names]
+    return cells
+
+
+def _jobs(cell: _Cell) -> list[Job]:
+    setting, *variants = cell.name.split("+")
+    return grid([cell.env], list(ARMS), cell.seeds, [setting], variants)
+
+
+def _partial(cell: _Cell, arm: str) -> str:
+    """``"k/n"`` finished seeds, plus the unfinished runs' progress."""
+    text = f"{len(cell.complete_seeds(arm))}/{len(cell.seeds)}"
+    progress = []
+    for job in _jobs(cell):
+        path = job.path(os.path.dirname(os.path.dirname(cell.directory)))
+        if job.arm == arm and os.path.exists(path) and job.seed not in cell.runs.get(arm, {}):
+            import json
+
+            with open(path) as file:
+                result = json.load(file)
+            progress.append(f"seed {job.seed} at round {result['rows'][-1]['round']}/{result['config']['rounds']}")
+    return text + (f" ({'; '.join(progress)})" if progress else "")
+
+
+def _status(cells: list[_Cell], out: str) -> str:
+    lines = [
+        "| env | setting | rounds | " + " | ".join(f"{arm} seeds done" for arm in ARMS) + " | CPU h spent | status |",
+        "|---|---|---|" + "---|" * len(ARMS) + "---|---|",
+    ]
+    for cell in cells:
+        setting, *variants = cell.name.split("+")
+        rounds = run_kwargs(ENVS[cell.env], setting, variants)["rounds"]
+        state = "complete" if cell.complete else ("not started" if not cell.runs and not _any_file(cell) else "incomplete")
+        hours = cpu_hours(_jobs(cell), out)
+        lines.append(
+            f"| {cell.env} | {cell.name} | {rounds} | "
+            + " | ".join(_partial(cell, arm) for arm in ARMS)
+            + f" | {hours:.2f} | {state} |"
+        )
+    return "\n".join(lines)
+
+
+def _any_file(cell: _Cell) -> bool:
+    return os.path.isdir(cell.directory) and any(name.endswith(".json") for name in os.listdir(cell.directory))
+
+
+def _run_cost(cell: _Cell, probes: dict[str, Any]) -> tuple[float, str]:
+    """CPU hours of one run of a cell and where the number comes from."""
+    import json
+
+    finished = [
+        r["total_cpu_time"]
+        for runs in cell.runs.values()
+        for r in runs.values()
+        if "total_cpu_time" in r and "reused_from" not in r
+    ]
+    if finished:
+        return float(np.mean(finished)) / 3600, f"measured, mean of {len(finished)} finished runs"
+    partial = []
+    if _any_file(cell):
+        for name in os.listdir(cell.directory):
+            with open(os.path.join(cell.directory, name)) as file:
+                result = json.load(file)
+            done = result["rows"][-1]["round"]
+            if done and "total_cpu_time" in result:
+                partial.append(result["total_cpu_time"] / done * result["config"]["rounds"])
+    if partial:
+        return float(np.mean(partial)) / 3600, f"extrapolated from {len(partial)} unfinished runs"
+    probe = probes.get(f"{cell.env} {cell.name}")
+    if probe is not None:
+        setting, *variants = cell.name.split("+")
+        rounds = run_kwargs(ENVS[cell.env], setting, variants)["rounds"]
+        evals = rounds // ENVS[cell.env].eval_every + 1
+        return (probe["round_cpu_s"] * rounds + probe["eval_cpu_s"] * evals) / 3600, "probe: 1 IIF round + 1 evaluation"
+    return float("nan"), "not measured"
+
+
+def _cost(cells: list[_Cell], probe_path: str) -> str:
+    import json
+
+    probes = {}
+    if os.path.exists(probe_path):
+        with open(probe_path) as file:
+            probes = json.load(file)["cells"]
+    lines = [
+        f"| env | setting | CPU h per run | CPU h per cell ({len(ARMS)} arms × {len(cells[0].seeds)} seeds) | source |",
+        "|---|---|---|---|---|",
+    ]
+    total = 0.0
+    for cell in cells:
+        per_run, source = _run_cost(cell, probes)
+        per_cell = per_run * len(ARMS) * len(cell.seeds)
+        total += per_cell if np.isfinite(per_cell) else 0.0
+        shown = f"{per_run:.2f} | {per_cell:.1f}" if np.isfinite(per_run) else "— | —"
+        lines.append(f"| {cell.env} | {cell.name} | {shown} | {source} |")
+    unmeasured = sum(not np.isfinite(_run_cost(cell, probes)[0]) for cell in cells)
+    bound = f"≥ {total:.0f} ({unmeasured} cells not measured)" if unmeasured else f"{total:.0f}"
+    lines.append(f"| **all** | | | **{bound}** | |")
+    return "\n".join(lines)
+
+
+def _paper(cells: list[_Cell]) -> str:
+    def paper(value: tuple[float, float | None] | None) -> str:
+        if value is None:
+            return "—"
+        return f"{value[0]:.1f}" + (f" ± {value[1]:.1f}" if value[1] is not None else "") + " %"
+
+    lines = [
+        "| cell | seeds | SE_ave here | SE_ave paper | SE_peak here | SE_peak paper | RT_peak here | RT_peak paper | "
+        "final gain CI here | final gain CI paper |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        numbers = PAPER.get((cell.env, "sgd" if cell.legacy else cell.name))
+        if numbers is None:
+            continue
+        entry = summarize(cell.directory, cell.env).get("iif")
+        if entry is None or not cell.complete:
+            here = [f"incomplete ({len(cell.complete_seeds('iif'))}/{len(cell.seeds)} seeds)"] + ["—"] * 3
+            seeds = "—"
+        else:
+            ci = entry["final_gain"]["ci"]
+            here = [
+                percent(entry["se_ave"]),
+                percent(entry["se_peak"]),
+                percent(entry["rt_peak"]),
+                f"[{ci[0]:+.3g}, {ci[1]:+.3g}]",
+            ]
+            seeds = str(len(entry["per_seed"]))
+        final = numbers.get("final_ci")
+        lines.append(
+            f"| {cell.label} | {seeds} | {here[0]} | {paper(numbers.get('se_ave'))} | {here[1]} | "
+            f"{paper(numbers.get('se_peak'))} | {here[2]} | {paper(numbers.get('rt_peak'))} | {here[3]} | "
+            f"{'—' if final is None else f'[{final[0]}, {final[1]}]'} |"
+        )
+    return "\n".join(lines)
+
+
+def _scores(cells: list[_Cell], kind: str) -> dict[str, np.ndarray]:
+    from sb3_influence.bench.stats import normalized_score
+
+    seeds = cells[0].seeds
+    return {
+        arm: np.array([[normalized_score(c.runs[arm][seed], c.env, kind) for c in cells] for seed in seeds]) for arm in ARMS
+    }
+
+
+def _aggregate(cells: list[_Cell], figures: str, relative: str, name: str, title: str) -> str:
+    """rliable's IQM, optimality gap, probability of improvement and profiles over the complete cells."""
+    from rliable.metrics import probability_of_improvement as task_poi
+
+    from sb3_influence.bench.stats import aggregate_metrics, plot_aggregates, probability_of_improvement
+
+    complete = [cell for cell in cells if cell.complete]
+    if not complete:
+        return "*No cell is complete yet: no aggregate statistics.*"
+    table = ["| score | arm | IQM [95 % CI] | optimality gap [95 % CI] |", "|---|---|---|---|"]
+    poi = ["| score | comparison | P(X > Y) over all tasks [95 % CI] | per task |", "|---|---|---|---|"]
+    images = []
+    labels = {arm: spec.label for arm, spec in ARMS.items()}
+    colors = {arm: spec.color for arm, spec in ARMS.items()}
+    for kind in ("curve", "final"):
+        scores = _scores(complete, kind)
+        aggregates = aggregate_metrics(scores)
+        for arm, entry in aggregates.items():
+            iqm, gap = entry["iqm"], entry["optimality_gap"]
+            table.append(
+                f"| {kind} | {arm} | {iqm['value']:.3f} [{iqm['ci'][0]:.3f}, {iqm['ci'][1]:.3f}] | "
+                f"{gap['value']:.3f} [{gap['ci'][0]:.3f}, {gap['ci'][1]:.3f}] |"
+            )
+        for other in [arm for arm in ARMS if arm != "iif"]:
+            overall = probability_of_improvement(scores["iif"], scores[other])
+            per_task = ", ".join(
+                f"{cell.label} {task_poi(scores['iif'][:, [i]], scores[other][:, [i]]):.2f}" for i, cell in enumerate(complete)
+            )
+            low, high = overall["ci"]
+            poi.append(f"| {kind} | iif > {other} | {overall['value']:.2f} [{low:.2f}, {high:.2f}] | {per_task} |")
+        path = os.path.join(figures, f"{name}_{kind}.png")
+        plot_aggregates(aggregates, scores, labels, colors, path, f"{title}: {kind} score")
+        images.append(f"![{title}, {kind} score]({relative}/{name}_{kind}.png)")
+    tasks = f"Tasks: {', '.join(cell.label for cell in complete)} ({len(complete[0].seeds)} seeds each)."
+    return "\n".join([tasks, "", *table, "", *poi, "", "\n\n".join(images)])
+
+
+def _reading(cells: list[_Cell]) -> str:
+    lines = ["| cell | reading (IIF vs PPO) | SE_ave [95 % CI] | final gain [95 % CI] |", "|---|---|---|---|"]
+    for cell in cells:
+        entry = summarize(cell.directory, cell.env).get("iif") if cell.complete else None
+        if entry is None:
+            done = len(cell.complete_seeds("iif"))
+            lines.append(f"| {cell.label} | incomplete ({done}/{len(cell.seeds)} seeds): no reading yet | — | — |")
+            continue
+        low, high = entry["se_ave"]["ci"]
+        verdict = "faster" if low > 0 else ("slower" if high < 0 else "no clear difference")
+        gain = entry["final_gain"]
+        lines.append(
+            f"| {cell.label} | **{verdict}** | {100 * entry['se_ave']['mean']:.1f} % [{100 * low:.1f}, "
+            f"{100 * high:.1f}] | {gain['mean']:+.3g} [{gain['ci'][0]:+.3g}, {gain['ci'][1]:+.3g}] |"
+        )
+    return "\n".join(lines)
+
+
+def _partial_minibatches(cells: list[_Cell]) -> str:
+    """How often a filtering arm's update ends with a partial minibatch, and how small it is (from kept fractions)."""
+    lines = [
+        "| cell | arm | rounds | with a partial minibatch | median size | ≤ 8 records | ≤ 2 records |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        for arm in [name for name in ARMS if name != "ppo" and name in cell.runs]:
+            sizes = []
+            for result in cell.runs[arm].values():
+                config = result["config"]
+                n = config.get("n_steps", 2048) * config.get("n_envs", 1)
+                sizes += [round(row["kept_fraction"] * n) % config.get("batch_size", 64) for row in result["rows"][1:]]
+            array = np.array(sizes)
+            partial = array[array > 0]
+            median = f"{np.median(partial):.0f}" if len(partial) else "—"
+            lines.append(
+                f"| {cell.label} | {arm} | {len(array)} | {np.mean(array > 0):.0%} | {median} | "
+                f"{np.mean((array > 0) & (array <= 8)):.0%} | {np.mean((array > 0) & (array <= 2)):.0%} |"
+            )
+    return "\n".join(lines)
+
+
+def _one_record_collapses(cells: list[_Cell]) -> str:
+    """
+    Between consecutive evaluations: did a round end with a one-record minibatch (SB3 normalises the advantages
+    only of minibatches of 2 or more, so that step uses the record's raw advantage), and did the test return
+    collapse (fall by more than a quarter of the environment's score range)? Counts and Fisher's exact test.
+    """
+    from scipy.stats import fisher_exact
+
+    lines = [
+        "| cell | arm | intervals with a one-record minibatch: collapses | other intervals: collapses | Fisher p |",
+        "|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        low, high = ENVS[cell.env].score_range
+        for arm in [name for name in ARMS if name in cell.runs]:
+            table = np.zeros((2, 2), dtype=int)
+            for result in cell.runs[arm].values():
+                config = result["config"]
+                n, batch = config.get("n_steps", 2048) * config.get("n_envs", 1), config.get("batch_size", 64)
+                one = {row["round"] for row in result["rows"][1:] if round(row["kept_fraction"] * n) % batch == 1}
+                evals = [(row["round"], row["eval_return"]) for row in result["rows"] if row["eval_return"] is not None]
+                for (r0, v0), (r1, v1) in itertools.pairwise(evals):
+                    table[int(bool(one & set(range(r0 + 1, r1 + 1)))), int(v0 - v1 > (high - low) / 4)] += 1
+            p = fisher_exact(table)[1] if table[1].sum() else float("nan")
+            lines.append(
+                f"| {cell.label} | {arm} | {table[1, 1]} of {table[1].sum()} | {table[0, 1]} of {table[0].sum()} | "
+                f"{'—' if np.isnan(p) else f'{p:.3f}'} |"
+            )
+    return "\n".join(lines)
+
+
+def _reproduction(cells: list[_Cell], old: list[_Cell]) -> str:
+    """Grid runs against the superseded runs of the same env, arm and seed where the evaluation is the same (exact):
+    identical returns, and the ratio of their training CPU times (the load of the machine, since the work is equal)."""
+    lines = ["| env | arm | seed | identical test returns | training CPU time, grid / superseded |", "|---|---|---|---|---|"]
+    legacy = {cell.env: cell for cell in old}
+    for cell in cells:
+        if cell.name != "sgd" or cell.env not in legacy or not ENVS[cell.env].exact_eval:
+            continue
+        for arm, runs in cell.runs.items():
+            for seed, result in sorted(runs.items()):
+                before = legacy[cell.env].runs.get(arm, {}).get(seed)
+                if before is None:
+                    continue
+                same = [r["eval_return"] for r in result["rows"]] == [r["eval_return"] for r in before["rows"]]
+                ratio = result["rows"][-1]["cpu_time"] / before["rows"][-1]["cpu_time"]
+                lines.append(f"| {cell.env} | {arm} | {seed} | {'yes' if same else '**no**'} | {ratio:.2f} |")
+    return "\n".join(lines) if len(lines) > 2 else "*No grid run has a superseded counterpart with the same evaluation yet.*"
+
+
+def _curves(cells: list[_Cell], figures: str, relative: str, prefix: str) -> str:
+    links = []
+    for cell in cells:
+        name = f"{prefix}{cell.label.replace(' ', '_')}.png"
+        title = f"{cell.label} ({ENVS[cell.env].env_id})" + ("" if cell.complete else " — INCOMPLETE")
+        if plot(cell.directory, cell.env, os.path.join(figures, name), title=title):
+            links.append(f"![{cell.label} learning curves]({relative}/{name})")
+    return "\n\n".join(links) if links else "*No finished run yet: no learning curves.*"
+
+
+def generate_page(
+    template: str, output: str, figures: str, out: str, legacy: str, seeds: Sequence[int] = (0, 1, 2, 3, 4)
+) -> dict[str, Any]:
+    """
+    Fill ``template`` with the generated blocks and write ``output`` (and the figures under ``figures``).
+
+    :param template: Markdown template; ``{{name}}`` for each name of :data:`BLOCKS` it uses.
+    :param output: The generated page.
+    :param figures: Directory of the figures.
+    :param out: Results directory of the grid.
+    :param legacy: Results directory of the superseded protocol (``<legacy>/<env>/<arm>_seed<seed>.json``).
+    :param seeds: The seeds a complete cell has.
+    :return: What was generated: complete and incomplete cells, CPU hours.
+    """
+    with open(template) as file:
+        text = file.read()
+    unknown = sorted(set(re.findall(r"\{\{(\w+)\}\}", text)) - set(BLOCKS))
+    if unknown:
+        raise ValueError(f"template {template} has unknown blocks {unknown}: use {list(BLOCKS)}")
+    relative = os.path.relpath(figures, os.path.dirname(os.path.abspath(output)) or ".").replace(os.sep, "/")
+    cells = _cells(out, seeds)
+    old = [_Cell(legacy, env, "sgd", (0, 1, 2), legacy=True) for env in PAPER_ENVS if os.path.isdir(os.path.join(legacy, env))]
+    makers: dict[str, Callable[[], str]] = {
+        "status": lambda: _status(cells, out),
+        "cost": lambda: _cost(cells, os.path.join(os.path.dirname(out.rstrip("/")), "cost_probe.json")),
+        "results": lambda: (
+            markdown_table([c.row() for c in cells if c.complete])
+            if any(c.complete for c in cells)
+            else "*No cell is complete yet.*"
+        ),
+        "incomplete": lambda: (
+            markdown_table([c.row() for c in cells if not c.complete and c.paired])
+            if any(not c.complete and c.paired for c in cells)
+            else "*None.*"
+        ),
+        "paper": lambda: _paper(cells),
+        "aggregate": lambda: _aggregate(cells, figures, relative, "aggregate", "grid"),
+        "reading": lambda: _reading(cells),
+        "curves": lambda: _curves(cells, figures, relative, "grid_"),
+        "partial_minibatches": lambda: _partial_minibatches(old + [c for c in cells if c.runs]),
+        "one_record_collapses": lambda: _one_record_collapses(old + [c for c in cells if c.runs]),
+        "reproduction": lambda: _reproduction(cells, old),
+        "legacy_results": lambda: markdown_table([c.row() for c in old]),
+        "legacy_paper": lambda: _paper(old),
+        "legacy_aggregate": lambda: _aggregate(old, figures, relative, "legacy_aggregate", "legacy protocol"),
+        "legacy_curves": lambda: _curves(old, figures, relative, "legacy_"),
+    }
+    for name in BLOCKS:
+        if "{{" + name + "}}" in text:
+            text = text.replace("{{" + name + "}}", makers[name]())
+    header = (
+        f"<!-- Generated by `sb3-influence bench docs` from {template} and the result files: edit the template, "
+        "not this page. -->\n\n"
+    )
+    with open(output, "w") as file:
+        file.write(header + text)
+    return {
+        "complete": [c.label for c in cells if c.complete],
+        "incomplete": [c.label for c in cells if not c.complete],
+        "cpu_hours": sum(cpu_hours(_jobs(c), out) for c in cells),
+    }

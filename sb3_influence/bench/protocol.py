@@ -1,0 +1,251 @@
+"""
+The benchmark protocol as data: :data:`ENVS` (the paper's six environments and a smoke test), :data:`SETTINGS`
+(optimizer settings), :data:`ARMS` (what filters the records) and :data:`VARIANTS` (options that the authors' code
+differs in, for the LunarLander investigation), and how a cell's PPO keyword arguments and result paths follow
+from them. Adding an arm, for instance IIF with another score, is one more :class:`Arm` entry in :data:`ARMS`:
+no code branches on arm names.
+"""
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """
+    One benchmark environment with the paper's settings (Hu et al. 2025, Sec. 5).
+
+    :param env_id: Gymnasium id.
+    :param fraction: IIF drop fraction ``p`` (rule ``"neg-bottom"``); the random arm drops as many records.
+    :param rounds: Number of rounds (rollouts + updates) at ``n_steps * n_envs = 2048`` records per round.
+    :param settings: Keys of :data:`SETTINGS` that the protocol runs on this environment, the paper's main
+        setting first.
+    :param score_range: ``(low, high)`` returns mapped to 0 and 1 for the aggregate statistics (rliable's
+        normalised scores): roughly the initial policy's return and a solved policy's return.
+    :param env_kwargs: Keyword arguments of ``gym.make``.
+    :param register: Module to import before ``gym.make`` (it registers the id), or ``None``.
+    :param minigrid: Wrap with ``ImgObsWrapper`` and use the MiniGrid CNN.
+    :param exact_eval: Evaluate the stochastic policy exactly (tabular, deterministic env: FrozenLake) instead
+        of by sampling episodes.
+    :param eval_every: Evaluate every this many rounds (and after the last one).
+    :param resolution: Returns are floored to a multiple of this before computing the speed-up metrics (0: as
+        measured). Exact evaluation creeps towards its optimum by ever smaller steps, each of which would be a
+        new PPO "level"; 0.01 for FrozenLake gives levels of 1 % success probability.
+    :param zoo_kwargs: rl-zoo's PPO hyperparameters for this environment (the ``"sb3"`` setting; rl-zoo's
+        ``normalize`` and ``n_timesteps`` are not used), empty when rl-zoo has none.
+    """
+
+    env_id: str
+    fraction: float
+    rounds: int
+    settings: tuple[str, ...] = ("sgd",)
+    score_range: tuple[float, float] = (0.0, 1.0)
+    env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    register: str | None = None
+    minigrid: bool = False
+    exact_eval: bool = False
+    eval_every: int = 1
+    resolution: float = 0.0
+    zoo_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_HIGHWAY_CONFIG = {"observation": {"type": "Kinematics"}, "action": {"type": "DiscreteMetaAction"}, "vehicles_count": 10}
+
+# The paper's six environments (Sec. 5) and a smoke test
+ENVS: dict[str, EnvSpec] = {
+    "FrozenLake": EnvSpec(
+        "FrozenLake-v1", 0.5, 50, env_kwargs={"map_name": "4x4", "is_slippery": False}, exact_eval=True, resolution=0.01
+    ),
+    "Acrobot": EnvSpec(
+        "Acrobot-v1",
+        0.5,
+        50,
+        settings=("sgd", "sb3"),
+        score_range=(-500.0, -100.0),
+        zoo_kwargs=dict(n_envs=16, n_steps=256, gae_lambda=0.94, gamma=0.99, n_epochs=4, ent_coef=0.0),
+    ),
+    "MiniGrid": EnvSpec(
+        "MiniGrid-Empty-8x8-v0", 0.125, 40, settings=("sgd", "adam1e-3", "sb3"), register="minigrid", minigrid=True
+    ),
+    "highway": EnvSpec(
+        "highway-v0",
+        0.5,
+        100,
+        score_range=(0.0, 40.0),
+        env_kwargs={"config": _HIGHWAY_CONFIG},
+        register="highway_env",
+        eval_every=10,
+    ),
+    "LunarLander": EnvSpec(
+        "LunarLander-v3",
+        0.125,
+        150,
+        settings=("sgd", "adam1e-3", "sb3"),
+        score_range=(-200.0, 200.0),
+        eval_every=3,
+        zoo_kwargs=dict(n_envs=16, n_steps=1024, batch_size=64, gae_lambda=0.98, gamma=0.999, n_epochs=4, ent_coef=0.01),
+    ),
+    "BipedalWalker": EnvSpec(
+        "BipedalWalker-v3", 0.0625, 500, settings=("adam3e-4",), score_range=(-100.0, 300.0), eval_every=10
+    ),
+    # Not in the paper: a few-second smoke test
+    "CartPole": EnvSpec("CartPole-v1", 0.5, 2, score_range=(0.0, 500.0)),
+}
+
+# The paper's environments, in the paper's order (the smoke test is not part of the protocol)
+PAPER_ENVS = ("FrozenLake", "Acrobot", "MiniGrid", "highway", "LunarLander", "BipedalWalker")
+
+# PPO settings shared by every arm and setting (the paper's, Sec. 5; SB3's defaults except ent_coef and clipping)
+PPO_KWARGS: dict[str, Any] = dict(
+    n_steps=2048,
+    batch_size=64,
+    n_epochs=10,
+    gamma=0.99,
+    gae_lambda=0.95,
+    clip_range=0.2,
+    ent_coef=0.0,
+    vf_coef=0.5,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSetting:
+    """
+    How PPO optimises: the optimizer, its learning rate, gradient clipping and whether rl-zoo's hyperparameters
+    replace :data:`PPO_KWARGS`.
+
+    :param optimizer: ``"sgd"`` or ``"adam"`` (``torch.optim``; Adam with SB3's ``eps=1e-5``).
+    :param learning_rate: The learning rate.
+    :param max_grad_norm: SB3's gradient clipping; ``1e10`` disables it (as the authors' code does).
+    :param zoo: Use the environment's :attr:`EnvSpec.zoo_kwargs` (rl-zoo's tuned values), at the paper's budget
+        of environment steps.
+    :param description: One line for the docs.
+    """
+
+    optimizer: str
+    learning_rate: float
+    max_grad_norm: float = 1e10
+    zoo: bool = False
+    description: str = ""
+
+
+SETTINGS: dict[str, OptimizerSetting] = {
+    "sgd": OptimizerSetting("sgd", 5e-3, description="the paper's main setting: SGD, lr 5e-3, no gradient clipping"),
+    "adam3e-4": OptimizerSetting("adam", 3e-4, description="the paper's BipedalWalker setting: Adam, lr 3e-4, no clipping"),
+    "adam1e-3": OptimizerSetting("adam", 1e-3, description="the paper's Adam results (Table 3): Adam, lr 1e-3, no clipping"),
+    "sb3": OptimizerSetting(
+        "adam",
+        3e-4,
+        max_grad_norm=0.5,
+        zoo=True,
+        description="SB3's defaults (Adam, lr 3e-4, max_grad_norm 0.5) with rl-zoo's hyperparameters where it has them",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """
+    One arm of the comparison: how ``IIFCallback`` filters each round (``rule=None``: no filtering, plain PPO).
+
+    :param rule: ``IIFCallback`` rule, or ``None``.
+    :param label: Name in tables and plots.
+    :param color: Matplotlib colour of its curves.
+    :param iif_kwargs: Further ``IIFCallback`` keyword arguments (e.g. another ``target``); the drop fraction is
+        the environment's ``p``.
+    """
+
+    rule: str | None
+    label: str
+    color: str = "tab:gray"
+    iif_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# Add an arm here (e.g. IIF with an optimizer-aware score through ``iif_kwargs``); nothing else needs to change
+ARMS: dict[str, Arm] = {
+    "ppo": Arm(None, "PPO", "tab:blue"),
+    "iif": Arm("neg-bottom", "IIF", "tab:red"),
+    "random": Arm("random", "random filter", "tab:gray"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """
+    An option of a cell that the authors' code differs in (the LunarLander investigation).
+
+    :param description: One line for the docs.
+    :param filtering_only: The option changes nothing for an arm that drops no record, so such an arm's run is
+        the same as in the cell without the option and is reused from there when it exists.
+    """
+
+    description: str
+    filtering_only: bool
+
+
+VARIANTS: dict[str, Variant] = {
+    "drop-partial": Variant(
+        "the leftover partial minibatch of the kept records is dropped every round, so a filtering arm takes "
+        "n_epochs · floor(n_kept / batch_size) optimizer steps (as a data loader with drop_last)",
+        filtering_only=True,
+    ),
+    "clip0.5": Variant(
+        "gradient clipping at max_grad_norm 0.5 (the value the paper lists) instead of none", filtering_only=False
+    ),
+    "first-unfiltered": Variant(
+        "filtering starts at round 2: round 1 is PPO's own update, so the filtered rounds start from the PPO run's "
+        "round-1 parameters (the authors ran IIF as a follow-up of a PPO round)",
+        filtering_only=True,
+    ),
+}
+
+
+def cell_name(setting: str, variants: Sequence[str] = ()) -> str:
+    """The directory name of an optimizer setting with variants, e.g. ``"sgd+drop-partial"``."""
+    return "+".join([setting, *sorted(variants)])
+
+
+def result_path(out: str, env: str, setting: str, arm: str, seed: int, variants: Sequence[str] = ()) -> str:
+    """Where a run's per-round results go: ``<out>/<env>/<setting>[+variants]/<arm>_seed<seed>.json``."""
+    return os.path.join(out, env, cell_name(setting, variants), f"{arm}_seed{seed}.json")
+
+
+def check_names(
+    envs: Sequence[str] = (), settings: Sequence[str] = (), arms: Sequence[str] = (), variants: Sequence[str] = ()
+) -> None:
+    """Raise ``ValueError`` naming the first unknown env, setting, arm or variant and the valid choices."""
+    for kind, names, known in (
+        ("env", envs, ENVS),
+        ("setting", settings, SETTINGS),
+        ("arm", arms, ARMS),
+        ("variant", variants, VARIANTS),
+    ):
+        for name in names:
+            if name not in known:
+                raise ValueError(f"unknown {kind} {name!r}: choose from {sorted(known)}")
+
+
+def run_kwargs(spec: EnvSpec, setting: str, variants: Sequence[str] = ()) -> dict[str, Any]:
+    """
+    The ``InfluencePPO`` keyword arguments (and ``rounds``) of a cell: :data:`PPO_KWARGS`, or rl-zoo's values for
+    a ``zoo`` setting, then the setting's learning rate and clipping, then the variants.
+
+    :return: Keyword arguments, with ``optimizer`` (a name) and ``rounds`` (the paper's budget of environment steps
+        divided by the records per round, rounded up).
+    """
+    check_names(settings=[setting], variants=variants)
+    spec_setting = SETTINGS[setting]
+    kwargs: dict[str, Any] = {**PPO_KWARGS, "n_envs": 1}
+    if spec_setting.zoo:
+        kwargs.update(spec.zoo_kwargs)
+    kwargs.update(
+        learning_rate=spec_setting.learning_rate, max_grad_norm=spec_setting.max_grad_norm, optimizer=spec_setting.optimizer
+    )
+    if "clip0.5" in variants:
+        kwargs["max_grad_norm"] = 0.5
+    budget = spec.rounds * PPO_KWARGS["n_steps"]
+    kwargs["rounds"] = math.ceil(budget / (kwargs["n_steps"] * kwargs["n_envs"]))
+    return kwargs
