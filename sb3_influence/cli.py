@@ -6,6 +6,7 @@ command with one line on stderr, ``error: ...``, and exit status 2, never a trac
 variable ``SB3_INFLUENCE_TRACEBACK=1`` to see the traceback instead.
 """
 
+from types import MappingProxyType
 import importlib
 import os
 import sys
@@ -13,11 +14,13 @@ import sys
 from sb3_influence.common.command_line import one_line, user_errors
 
 # sub-command -> (module, one-line help); each module has ``main(argv: list[str] | None) -> int | None``
-COMMANDS = {
-    "run": ("sb3_influence.demo", "train InfluencePPO with IIF on a small default and print an attribution summary"),
-    "bench": ("sb3_influence.bench", "run the paper's PPO / IIF / random-filtering comparison and summarise it"),
-    "report": ("sb3_influence.analysis.report", "build an HTML report (and PNGs) from a run's attribution snapshots"),
-}
+COMMANDS = MappingProxyType(
+    {
+        "run": ("sb3_influence.demo", "train InfluencePPO with IIF on a small default and print an attribution summary"),
+        "bench": ("sb3_influence.bench", "run the paper's PPO / IIF / random-filtering comparison and summarise it"),
+        "report": ("sb3_influence.analysis.report", "build an HTML report (and PNGs) from a run's attribution snapshots"),
+    }
+)
 
 
 def _usage() -> str:

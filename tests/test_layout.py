@@ -10,12 +10,19 @@ import sb3_influence
 ROOT = pathlib.Path(sb3_influence.__file__).parent
 # Lowest first: a module may import only from modules of its own layer or the layers before it
 LAYERS = [
-    ["common.sb3_compat", "common.targets", "common.extractors", "common.command_line"],
+    ["common.sb3_compat", "common.targets", "common.extractors", "common.command_line", "common.units"],
     ["common.buffers", "common.state", "common.scoring.layers"],
     ["common.round", "common.scoring.engine"],
-    ["common.scoring.multi", "common.scoring.optimizer_aware", "common.filters", "common.snapshots"],
+    [
+        "common.scoring.multi",
+        "common.scoring.optimizer_aware",
+        "common.scoring.trajectory",
+        "common.filters",
+        "common.snapshots",
+    ],
     ["common.scoring.unrolled", "common.scoring"],
     ["common.callbacks", "common.algorithm"],
+    ["common.dtv"],
 ]
 
 

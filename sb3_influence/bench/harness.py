@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch as th
-from stable_baselines3.common.callbacks import BaseCallback
+from sb3_influence.common.callbacks import RoundCallback
 
 from sb3_influence.bench.evaluation import EVAL_ENVS, evaluate, make_eval_env
 from sb3_influence.bench.protocol import (
@@ -88,26 +88,26 @@ def make_model(spec: EnvSpec, seed: int, setting: str = "sgd", **overrides: Any)
         th.set_num_threads(previous)
 
 
-class DropPartialMinibatch(BaseCallback):
+class DropPartialMinibatch(RoundCallback):
     """
     Drop the leftover partial minibatch of the kept records (the ``"drop-partial"`` variant): after the filters,
     clear the keep mask of ``n_kept mod batch_size`` kept records drawn uniformly (model seed + round), so the
     update takes ``n_epochs · floor(n_kept / batch_size)`` steps. (A data loader with ``drop_last`` drops other
-    leftover records every epoch; this drops the same ones in every epoch of a round.) Put it after the
-    ``IIFCallback`` in the callback list.
+    leftover records every epoch; this drops the same ones in every epoch of a round.) A round filter: put it after
+    the ``IIFCallback`` in the callback list (filters act in the order given).
     """
 
-    def _on_step(self) -> bool:
-        return True
+    round_role = "filter"
 
-    def _on_rollout_end(self) -> None:
+    def on_round(self, round_: Any) -> None:
         model: Any = self.model
         keep = model.rollout_buffer.keep
         leftover = int(keep.sum()) % model.batch_size
         if leftover:
-            rng = np.random.default_rng([int(model.seed or 0), int(model.num_timesteps)])
-            drop = rng.choice(np.flatnonzero(keep), size=leftover, replace=False)
-            keep[np.unravel_index(drop, keep.shape)] = False
+            rng = np.random.default_rng([int(model.seed or 0), int(round_.index)])
+            drop = np.zeros(keep.size, dtype=bool)
+            drop[rng.choice(np.flatnonzero(keep), size=leftover, replace=False)] = True
+            model.drop_records(drop.reshape(keep.shape), source={"filter": "DropPartialMinibatch"})
 
 
 def make_callback(arm: str, fraction: float, variants: Sequence[str] = ()) -> Any:

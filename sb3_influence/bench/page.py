@@ -6,10 +6,11 @@ replaced by a generated block (tables, figure links) listed in :data:`BLOCKS`. A
 finished is shown as incomplete, never as a result.
 """
 
+from types import MappingProxyType
 import itertools
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,21 +21,28 @@ from sb3_influence.bench.summary import load_runs, markdown_table, percent, plot
 
 # The paper's IIF numbers (Hu et al. 2025): SE_ave, SE_peak, RT_peak as (mean, s.e.) in percent (Sec. 5 main
 # results; Table 3 for Adam, which reports no RT_peak) and the 95 % CI of the final-return gain (Table 4)
-PAPER: dict[tuple[str, str], dict[str, Any]] = {
-    ("FrozenLake", "sgd"): {"se_ave": (34.0, 2.0), "se_peak": (19.2, 5.9), "rt_peak": (29.5, 2.9)},
-    ("Acrobot", "sgd"): {"se_ave": (36.7, 6.5), "se_peak": (48.5, 0.8), "rt_peak": (55.2, 1.0)},
-    ("MiniGrid", "sgd"): {"se_ave": (65.8, 3.3), "se_peak": (61.7, 4.1), "rt_peak": (69.1, 1.7), "final_ci": (0.04, 0.33)},
-    ("highway", "sgd"): {"se_ave": (37.7, 6.1), "se_peak": (55.1, 2.9), "rt_peak": (59.9, 0.7)},
-    ("LunarLander", "sgd"): {"se_ave": (26.0, 1.8), "se_peak": (39.7, 3.7), "rt_peak": (44.9, 2.5), "final_ci": (22.5, 130.5)},
-    ("BipedalWalker", "adam3e-4"): {
-        "se_ave": (31.0, 8.7),
-        "se_peak": (26.2, 8.0),
-        "rt_peak": (29.2, 0.7),
-        "final_ci": (24.4, 76.0),
-    },
-    ("LunarLander", "adam1e-3"): {"se_ave": (46.7, None), "se_peak": (62.2, None)},
-    ("MiniGrid", "adam1e-3"): {"se_ave": (24.1, None), "se_peak": (13.3, None)},
-}
+PAPER: Mapping[tuple[str, str], dict[str, Any]] = MappingProxyType(
+    {
+        ("FrozenLake", "sgd"): {"se_ave": (34.0, 2.0), "se_peak": (19.2, 5.9), "rt_peak": (29.5, 2.9)},
+        ("Acrobot", "sgd"): {"se_ave": (36.7, 6.5), "se_peak": (48.5, 0.8), "rt_peak": (55.2, 1.0)},
+        ("MiniGrid", "sgd"): {"se_ave": (65.8, 3.3), "se_peak": (61.7, 4.1), "rt_peak": (69.1, 1.7), "final_ci": (0.04, 0.33)},
+        ("highway", "sgd"): {"se_ave": (37.7, 6.1), "se_peak": (55.1, 2.9), "rt_peak": (59.9, 0.7)},
+        ("LunarLander", "sgd"): {
+            "se_ave": (26.0, 1.8),
+            "se_peak": (39.7, 3.7),
+            "rt_peak": (44.9, 2.5),
+            "final_ci": (22.5, 130.5),
+        },
+        ("BipedalWalker", "adam3e-4"): {
+            "se_ave": (31.0, 8.7),
+            "se_peak": (26.2, 8.0),
+            "rt_peak": (29.2, 0.7),
+            "final_ci": (24.4, 76.0),
+        },
+        ("LunarLander", "adam1e-3"): {"se_ave": (46.7, None), "se_peak": (62.2, None)},
+        ("MiniGrid", "adam1e-3"): {"se_ave": (24.1, None), "se_peak": (13.3, None)},
+    }
+)
 
 BLOCKS = (
     "status",

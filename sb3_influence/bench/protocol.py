@@ -6,10 +6,11 @@ from them. Adding an arm, for instance IIF with another score, is one more :clas
 no code branches on arm names.
 """
 
+from types import MappingProxyType
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -52,62 +53,68 @@ class EnvSpec:
     zoo_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-_HIGHWAY_CONFIG = {"observation": {"type": "Kinematics"}, "action": {"type": "DiscreteMetaAction"}, "vehicles_count": 10}
+_HIGHWAY_CONFIG = MappingProxyType(
+    {"observation": {"type": "Kinematics"}, "action": {"type": "DiscreteMetaAction"}, "vehicles_count": 10}
+)
 
 # The paper's six environments (Sec. 5) and a smoke test
-ENVS: dict[str, EnvSpec] = {
-    "FrozenLake": EnvSpec(
-        "FrozenLake-v1", 0.5, 50, env_kwargs={"map_name": "4x4", "is_slippery": False}, exact_eval=True, resolution=0.01
-    ),
-    "Acrobot": EnvSpec(
-        "Acrobot-v1",
-        0.5,
-        50,
-        settings=("sgd", "sb3"),
-        score_range=(-500.0, -100.0),
-        zoo_kwargs=dict(n_envs=16, n_steps=256, gae_lambda=0.94, gamma=0.99, n_epochs=4, ent_coef=0.0),
-    ),
-    "MiniGrid": EnvSpec(
-        "MiniGrid-Empty-8x8-v0", 0.125, 40, settings=("sgd", "adam1e-3", "sb3"), register="minigrid", minigrid=True
-    ),
-    "highway": EnvSpec(
-        "highway-v0",
-        0.5,
-        100,
-        score_range=(0.0, 40.0),
-        env_kwargs={"config": _HIGHWAY_CONFIG},
-        register="highway_env",
-        eval_every=10,
-    ),
-    "LunarLander": EnvSpec(
-        "LunarLander-v3",
-        0.125,
-        150,
-        settings=("sgd", "adam1e-3", "sb3"),
-        score_range=(-200.0, 200.0),
-        eval_every=3,
-        zoo_kwargs=dict(n_envs=16, n_steps=1024, batch_size=64, gae_lambda=0.98, gamma=0.999, n_epochs=4, ent_coef=0.01),
-    ),
-    "BipedalWalker": EnvSpec(
-        "BipedalWalker-v3", 0.0625, 500, settings=("adam3e-4",), score_range=(-100.0, 300.0), eval_every=10
-    ),
-    # Not in the paper: a few-second smoke test
-    "CartPole": EnvSpec("CartPole-v1", 0.5, 2, score_range=(0.0, 500.0)),
-}
+ENVS: Mapping[str, EnvSpec] = MappingProxyType(
+    {
+        "FrozenLake": EnvSpec(
+            "FrozenLake-v1", 0.5, 50, env_kwargs={"map_name": "4x4", "is_slippery": False}, exact_eval=True, resolution=0.01
+        ),
+        "Acrobot": EnvSpec(
+            "Acrobot-v1",
+            0.5,
+            50,
+            settings=("sgd", "sb3"),
+            score_range=(-500.0, -100.0),
+            zoo_kwargs=dict(n_envs=16, n_steps=256, gae_lambda=0.94, gamma=0.99, n_epochs=4, ent_coef=0.0),
+        ),
+        "MiniGrid": EnvSpec(
+            "MiniGrid-Empty-8x8-v0", 0.125, 40, settings=("sgd", "adam1e-3", "sb3"), register="minigrid", minigrid=True
+        ),
+        "highway": EnvSpec(
+            "highway-v0",
+            0.5,
+            100,
+            score_range=(0.0, 40.0),
+            env_kwargs={"config": _HIGHWAY_CONFIG},
+            register="highway_env",
+            eval_every=10,
+        ),
+        "LunarLander": EnvSpec(
+            "LunarLander-v3",
+            0.125,
+            150,
+            settings=("sgd", "adam1e-3", "sb3"),
+            score_range=(-200.0, 200.0),
+            eval_every=3,
+            zoo_kwargs=dict(n_envs=16, n_steps=1024, batch_size=64, gae_lambda=0.98, gamma=0.999, n_epochs=4, ent_coef=0.01),
+        ),
+        "BipedalWalker": EnvSpec(
+            "BipedalWalker-v3", 0.0625, 500, settings=("adam3e-4",), score_range=(-100.0, 300.0), eval_every=10
+        ),
+        # Not in the paper: a few-second smoke test
+        "CartPole": EnvSpec("CartPole-v1", 0.5, 2, score_range=(0.0, 500.0)),
+    }
+)
 
 # The paper's environments, in the paper's order (the smoke test is not part of the protocol)
 PAPER_ENVS = ("FrozenLake", "Acrobot", "MiniGrid", "highway", "LunarLander", "BipedalWalker")
 
 # PPO settings shared by every arm and setting (the paper's, Sec. 5; SB3's defaults except ent_coef and clipping)
-PPO_KWARGS: dict[str, Any] = dict(
-    n_steps=2048,
-    batch_size=64,
-    n_epochs=10,
-    gamma=0.99,
-    gae_lambda=0.95,
-    clip_range=0.2,
-    ent_coef=0.0,
-    vf_coef=0.5,
+PPO_KWARGS: Mapping[str, Any] = MappingProxyType(
+    dict(
+        n_steps=2048,
+        batch_size=64,
+        n_epochs=10,
+        gamma=0.99,
+        gae_lambda=0.95,
+        clip_range=0.2,
+        ent_coef=0.0,
+        vf_coef=0.5,
+    )
 )
 
 
@@ -132,18 +139,24 @@ class OptimizerSetting:
     description: str = ""
 
 
-SETTINGS: dict[str, OptimizerSetting] = {
-    "sgd": OptimizerSetting("sgd", 5e-3, description="the paper's main setting: SGD, lr 5e-3, no gradient clipping"),
-    "adam3e-4": OptimizerSetting("adam", 3e-4, description="the paper's BipedalWalker setting: Adam, lr 3e-4, no clipping"),
-    "adam1e-3": OptimizerSetting("adam", 1e-3, description="the paper's Adam results (Table 3): Adam, lr 1e-3, no clipping"),
-    "sb3": OptimizerSetting(
-        "adam",
-        3e-4,
-        max_grad_norm=0.5,
-        zoo=True,
-        description="SB3's defaults (Adam, lr 3e-4, max_grad_norm 0.5) with rl-zoo's hyperparameters where it has them",
-    ),
-}
+SETTINGS: Mapping[str, OptimizerSetting] = MappingProxyType(
+    {
+        "sgd": OptimizerSetting("sgd", 5e-3, description="the paper's main setting: SGD, lr 5e-3, no gradient clipping"),
+        "adam3e-4": OptimizerSetting(
+            "adam", 3e-4, description="the paper's BipedalWalker setting: Adam, lr 3e-4, no clipping"
+        ),
+        "adam1e-3": OptimizerSetting(
+            "adam", 1e-3, description="the paper's Adam results (Table 3): Adam, lr 1e-3, no clipping"
+        ),
+        "sb3": OptimizerSetting(
+            "adam",
+            3e-4,
+            max_grad_norm=0.5,
+            zoo=True,
+            description="SB3's defaults (Adam, lr 3e-4, max_grad_norm 0.5) with rl-zoo's hyperparameters where it has them",
+        ),
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,11 +178,13 @@ class Arm:
 
 
 # Add an arm here (e.g. IIF with an optimizer-aware score through ``iif_kwargs``); nothing else needs to change
-ARMS: dict[str, Arm] = {
-    "ppo": Arm(None, "PPO", "tab:blue"),
-    "iif": Arm("neg-bottom", "IIF", "tab:red"),
-    "random": Arm("random", "random filter", "tab:gray"),
-}
+ARMS: Mapping[str, Arm] = MappingProxyType(
+    {
+        "ppo": Arm(None, "PPO", "tab:blue"),
+        "iif": Arm("neg-bottom", "IIF", "tab:red"),
+        "random": Arm("random", "random filter", "tab:gray"),
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,21 +201,23 @@ class Variant:
     filtering_only: bool
 
 
-VARIANTS: dict[str, Variant] = {
-    "drop-partial": Variant(
-        "the leftover partial minibatch of the kept records is dropped every round, so a filtering arm takes "
-        "n_epochs · floor(n_kept / batch_size) optimizer steps (as a data loader with drop_last)",
-        filtering_only=True,
-    ),
-    "clip0.5": Variant(
-        "gradient clipping at max_grad_norm 0.5 (the value the paper lists) instead of none", filtering_only=False
-    ),
-    "first-unfiltered": Variant(
-        "filtering starts at round 2: round 1 is PPO's own update, so the filtered rounds start from the PPO run's "
-        "round-1 parameters (the authors ran IIF as a follow-up of a PPO round)",
-        filtering_only=True,
-    ),
-}
+VARIANTS: Mapping[str, Variant] = MappingProxyType(
+    {
+        "drop-partial": Variant(
+            "the leftover partial minibatch of the kept records is dropped every round, so a filtering arm takes "
+            "n_epochs · floor(n_kept / batch_size) optimizer steps (as a data loader with drop_last)",
+            filtering_only=True,
+        ),
+        "clip0.5": Variant(
+            "gradient clipping at max_grad_norm 0.5 (the value the paper lists) instead of none", filtering_only=False
+        ),
+        "first-unfiltered": Variant(
+            "filtering starts at round 2: round 1 is PPO's own update, so the filtered rounds start from the PPO run's "
+            "round-1 parameters (the authors ran IIF as a follow-up of a PPO round)",
+            filtering_only=True,
+        ),
+    }
+)
 
 
 def cell_name(setting: str, variants: Sequence[str] = ()) -> str:
