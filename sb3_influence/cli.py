@@ -3,12 +3,16 @@
 import importlib
 import sys
 
+from sb3_influence.extras import missing_module_message
+
 # sub-command -> (module, one-line help); each module has ``main(argv: list[str] | None) -> int | None``
 COMMANDS = {
     "run": ("sb3_influence.demo", "train InfluencePPO with IIF on a small default and print an attribution summary"),
     "bench": ("sb3_influence.bench", "run the paper's PPO / IIF / random-filtering comparison and summarise it"),
     "report": ("sb3_influence.analysis.report", "build an HTML report (and PNGs) from a run's attribution snapshots"),
 }
+# sub-command -> the extra its optional imports come from (named first when a module is missing)
+COMMAND_EXTRAS = {"bench": "analysis", "report": "analysis"}
 
 
 def _usage() -> str:
@@ -19,6 +23,12 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """
+    Entry point of ``sb3-influence``.
+
+    :param argv: ``[command, *args]`` (default: ``sys.argv[1:]``).
+    :return: The exit status (1 with a one-line message naming the extra to install when a module is missing).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -27,8 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"sb3-influence: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        return int(module.main(rest) or 0)
+    except ModuleNotFoundError as error:
+        print(missing_module_message(error, f"sb3-influence {command}", COMMAND_EXTRAS.get(command)), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
