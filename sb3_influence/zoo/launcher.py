@@ -70,14 +70,24 @@ def register() -> None:
     namespace.setdefault("MiniGridCNN", MiniGridCNN)
 
 
-def _with_default_config(script: str, args: list[str]) -> list[str]:
-    """``args`` plus ``-conf <our influence_ppo.yml>`` for ``train --algo influence_ppo`` without ``-conf``."""
-    if script != "train":
-        return args
+def _train_args(args: list[str]) -> list[str]:
+    """
+    ``train``'s arguments, plus ``-conf <our influence_ppo.yml>`` for ``--algo influence_ppo`` without ``-conf``.
+    Warns on stderr when ``-optimize`` keeps its study in memory.
+    """
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--algo", default="ppo")
     parser.add_argument("-conf", "--conf-file", default=None)
+    parser.add_argument("-optimize", "--optimize-hyperparameters", action="store_true")
+    parser.add_argument("--storage", default=None)
     known, _ = parser.parse_known_args(args)
+    if known.optimize_hyperparameters and known.storage is None:
+        print(
+            "sb3-influence-zoo train: -optimize without --storage keeps the study in memory: it cannot be resumed, "
+            "shared by several workers or watched with optuna-dashboard (only the final report is written). "
+            "Pass e.g. --storage logs/study.log --study-name NAME to keep it.",
+            file=sys.stderr,
+        )
     if known.algo != ALGO_NAME or known.conf_file is not None:
         return args
     return [*args, "-conf", hyperparams_path(ALGO_NAME)]
@@ -128,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # rl_zoo3's scripts parse sys.argv themselves
     saved_argv = sys.argv
-    sys.argv = [f"sb3-influence-zoo {script}", *_with_default_config(script, rest)]
+    sys.argv = [f"sb3-influence-zoo {script}", *(_train_args(rest) if script == "train" else rest)]
     try:
         _run(script)
     except ModuleNotFoundError as error:
