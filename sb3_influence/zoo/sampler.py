@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import optuna
 
-# The drop rules the sampler chooses from: the ones that rank records by their scores (see
-# sb3_influence.common.filters). The random rules are baselines for experiments, not candidates to tune.
+#: The drop rules the sampler chooses from: the ones that rank records by their scores (see
+#: :mod:`sb3_influence.common.filters`). The random rules are baselines for experiments, not candidates to tune.
 IIF_RULES = ("neg-bottom", "bottom", "neg")
 
 
