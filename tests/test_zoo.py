@@ -299,3 +299,33 @@ class TestZooInfluencePPO:
         loaded = ZooInfluencePPO.load(tmp_path / "model")
         assert (loaded.iif_fraction, loaded.iif_rule) == (0.5, "neg")
         assert InfluencePPO.load(tmp_path / "model").n_steps == 64
+
+
+def _rliable_is_broken() -> bool:
+    # rl_zoo3.plots imports rliable when installed, catching only ImportError; rliable 1.2 + arch fail on pandas 3
+    try:
+        importlib.import_module("rliable.library")
+    except ImportError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("script", ["train", "enjoy", "record_video", "load_from_hub", "plot_train", "all_plots",
+                                    "plot_from_file"])  # fmt: skip
+def test_every_script_runs_through_the_launcher(script, capsys):
+    from sb3_influence import zoo
+    from sb3_influence.zoo.launcher import SCRIPTS
+
+    assert script in SCRIPTS
+    if script in ("plot_train", "all_plots", "plot_from_file") and _rliable_is_broken():
+        pytest.skip("rliable is installed but does not import here (arch vs pandas 3); sb3_influence[zoo] does not install it")
+    # argparse's --help exits 0 after printing the script's own usage
+    with pytest.raises(SystemExit) as exit_info:
+        zoo.main([script, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: sb3-influence-zoo {script}" in out
+    if SCRIPTS[script][2]:  # --algo is checked against rl_zoo3's ALGOS: influence_ppo is a valid choice
+        assert "influence_ppo" in out

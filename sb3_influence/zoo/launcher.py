@@ -19,14 +19,14 @@ ALGO_NAME = "influence_ppo"
 CONFIGS = ("influence_ppo", "ppo")
 
 # script -> (rl_zoo3 module, its function or None to run the module as __main__ like `python -m`, whether its --algo
-# is checked against rl_zoo3's ALGOS: then influence_ppo is registered first). rl_zoo3's record_training and
-# benchmark are not here: they start `python -m rl_zoo3.record_video` / `python enjoy.py` subprocesses, which
-# cannot know influence_ppo.
+# is checked against rl_zoo3's ALGOS: then influence_ppo is registered first). Not here: rl_zoo3's record_training
+# and benchmark start `python -m rl_zoo3.record_video` / `python enjoy.py` subprocesses, which cannot know
+# influence_ppo; rl_zoo3 2.9.2's push_to_hub does not import with the huggingface_sb3 it depends on (3.x has no
+# `generate_metadata`).
 SCRIPTS: dict[str, tuple[str, str | None, bool]] = {
     "train": ("rl_zoo3.train", "train", True),
     "enjoy": ("rl_zoo3.enjoy", "enjoy", True),
     "record_video": ("rl_zoo3.record_video", None, True),
-    "push_to_hub": ("rl_zoo3.push_to_hub", None, True),
     "load_from_hub": ("rl_zoo3.load_from_hub", None, True),
     "plot_train": ("rl_zoo3.plots.plot_train", "plot_train", False),
     "all_plots": ("rl_zoo3.plots.all_plots", "all_plots", False),
