@@ -17,6 +17,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
         "matplotlib",
         "pytablewriter",
         "moviepy",
+        "pygame",
     ),
     "distributed": ("psycopg",),
     "analysis": ("matplotlib", "pandas", "scipy"),
