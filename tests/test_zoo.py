@@ -136,6 +136,9 @@ def test_main_usage_and_unknown_script(capsys):
     assert capsys.readouterr().out.strip() == hyperparams_path("ppo")
     assert zoo.main(["config", "a2c"]) == 2
     assert "give one of ['influence_ppo', 'ppo']" in capsys.readouterr().err
+    # No -conf and an env the shipped file does not cover: one line naming --env and the fix
+    assert zoo.main(["train", "--algo", "influence_ppo", "--env", "Pendulum-v1"]) == 2
+    assert "--env Pendulum-v1: sb3_influence's influence_ppo hyperparameters cover" in capsys.readouterr().err
 
 
 def test_cli_train_run_with_yaml_callbacks(tmp_path):
@@ -232,6 +235,13 @@ def test_a_missing_module_names_itself_and_its_extra(tmp_path):
     result = _run_python(hide + "sys.exit(main(['train', '--help']))", tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--algo" in result.stdout and "influence_ppo" in result.stdout
+
+
+def test_zoo_package_imports_without_rl_zoo3(tmp_path):
+    hide = "import sys; sys.modules['rl_zoo3'] = sys.modules['optuna'] = sys.modules['yaml'] = None; "
+    result = _run_python(hide + "from sb3_influence.zoo import main; sys.exit(main(['train', '--help']))", tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip() == "sb3-influence-zoo train: No module named 'rl_zoo3': pip install 'sb3_influence[zoo]'"
 
 
 def test_missing_module_message():

@@ -74,9 +74,13 @@ def _train_args(args: list[str]) -> list[str]:
     """
     ``train``'s arguments, plus ``-conf <our influence_ppo.yml>`` for ``--algo influence_ppo`` without ``-conf``.
     Warns on stderr when ``-optimize`` keeps its study in memory.
+
+    :raises ValueError: for ``--algo influence_ppo`` without ``-conf`` on an env that file does not cover.
     """
     parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("--algo", default="ppo")
+    parser.add_argument("--env", default="CartPole-v1")  # rl_zoo3 train's default
     parser.add_argument("-conf", "--conf-file", default=None)
     parser.add_argument("-optimize", "--optimize-hyperparameters", action="store_true")
     parser.add_argument("--storage", default=None)
@@ -88,9 +92,19 @@ def _train_args(args: list[str]) -> list[str]:
             "Pass e.g. --storage logs/study.log --study-name NAME to keep it.",
             file=sys.stderr,
         )
-    if known.algo != ALGO_NAME or known.conf_file is not None:
+    if known.algo != ALGO_NAME or known.conf_file is not None or known.help:
         return args
-    return [*args, "-conf", hyperparams_path(ALGO_NAME)]
+    import yaml  # a dependency of rl_zoo3, not of sb3_influence
+
+    path = hyperparams_path(ALGO_NAME)
+    with open(path) as file:
+        env_ids = list(yaml.safe_load(file))
+    if known.env not in env_ids:
+        raise ValueError(
+            f"--env {known.env}: sb3_influence's influence_ppo hyperparameters cover {env_ids}; for another env, "
+            "pass your own file with -conf FILE (rl-zoo's yaml format)"
+        )
+    return [*args, "-conf", path]
 
 
 def _usage() -> str:
@@ -136,10 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     if script not in SCRIPTS:
         print(f"sb3-influence-zoo: unknown script {script!r}, use one of {list(SCRIPTS)}\n\n{_usage()}", file=sys.stderr)
         return 2
-    # rl_zoo3's scripts parse sys.argv themselves
     saved_argv = sys.argv
-    sys.argv = [f"sb3-influence-zoo {script}", *(_train_args(rest) if script == "train" else rest)]
     try:
+        try:
+            args = _train_args(rest) if script == "train" else rest
+        except ValueError as error:
+            print(f"sb3-influence-zoo {script}: {error}", file=sys.stderr)
+            return 2
+        # rl_zoo3's scripts parse sys.argv themselves
+        sys.argv = [f"sb3-influence-zoo {script}", *args]
         _run(script)
     except ModuleNotFoundError as error:
         print(missing_module_message(error, f"sb3-influence-zoo {script}", extra="zoo"), file=sys.stderr)
