@@ -6,7 +6,7 @@ and the paper's hyperparameter files (package data in ``sb3_influence/zoo/hyperp
 
     sb3-influence-zoo train --algo influence_ppo --env Acrobot-v1            # the paper's settings, IIF p = 0.5
     sb3-influence-zoo train --algo ppo --env Acrobot-v1 -conf "$(sb3-influence-zoo config ppo)"   # the baseline
-    sb3-influence-zoo train --algo influence_ppo --env CartPole-v1 -optimize --n-trials 20 --storage logs/study.log
+    sb3-influence-zoo train --algo influence_ppo --env CartPole-v1 -optimize --storage logs/study.log --study-name iif
 
 Every rl_zoo3 flag works (``-n``, ``-params``, ``-tb``, ``--vec-env subproc``, ``-optimize``, ...). ``iif_fraction``
 and ``iif_rule`` are hyperparameters of ``influence_ppo`` (see :class:`~sb3_influence.zoo.model.ZooInfluencePPO`);
