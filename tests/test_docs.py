@@ -1,7 +1,8 @@
 """
 The documentation: every ```python block of docs/**/*.md and README.md runs (the blocks of one page in order, in one
 namespace, in a temporary folder, so the examples use tiny sizes), every other code block of docs/ is marked
-``% not run: <reason>`` on the line before it, and the Sphinx build has no warning.
+``% not run: <reason>`` on the line before it (```text blocks, diagrams and sample output, hold no code), and the
+Sphinx build has no warning.
 """
 
 import re
@@ -17,8 +18,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 FENCE = re.compile(r"^(`{3,})(.*)$")
 NOT_RUN = re.compile(r"^% not run: \S")
-# Fenced MyST directives that hold no code
-NOT_CODE = ("{toctree}", "{eval-rst}", "{image}", "{figure}", "{math}", "{note}", "{warning}", "{seealso}")
+# Fenced blocks that hold no code: MyST directives, and ```text (diagrams, sample output)
+NOT_CODE = ("{toctree}", "{eval-rst}", "{image}", "{figure}", "{math}", "{note}", "{warning}", "{seealso}", "text")
 README = DOCS.parent / "README.md"
 PAGES = [*sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts), README]
 
@@ -75,7 +76,7 @@ def test_code_blocks_run(page, tmp_path, monkeypatch):
 def test_block_extraction_convention():
     text = "```python\nx = 1\n```\n\n```{code-block} python\ny = 2\n```\n% not run: lists files\n```bash\nls\n```\n"
     assert BLOCK.findall(text) == ["x = 1\n"]
-    text += "```{toctree}\nguide/install\n```\n"
+    text += "```{toctree}\nguide/install\n```\n```text\nround k -> update\n```\n"
     assert code_blocks(text) == [("python", ""), ("{code-block} python", "```"), ("bash", "% not run: lists files")]
 
 
