@@ -12,25 +12,32 @@ the influence statistics, the 3 most helpful and 3 most harmful records of the l
 """
 
 import argparse
-import os
+import sys
 import tempfile
 
 import numpy as np
 
 from sb3_influence.common.callbacks import AttributionCallback, IIFCallback
+from sb3_influence.common.command_line import ArgumentParser
 from sb3_influence.common.filters import DROP_RULES
-from sb3_influence.common.snapshots import Snapshot, load_snapshot, snapshot_files
+from sb3_influence.common.snapshots import Snapshot, load_all
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
     return value
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
     return value
@@ -38,7 +45,7 @@ def _fraction(text: str) -> float:
 
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser of ``sb3-influence run``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="sb3-influence run",
         description="Train InfluencePPO with influence-based filtering (IIF) and print an attribution summary.",
     )
@@ -51,6 +58,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rule", choices=sorted(DROP_RULES), default="neg-bottom", help="IIF drop rule (default: neg-bottom)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--save-dir", default=None, help="keep the attribution snapshots here (default: a temporary folder)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the snapshots of another run found in --save-dir (default: refuse)"
+    )
     parser.add_argument("--eval-episodes", type=int, default=10, help="final evaluation episodes, 0: skip (default: 10)")
     parser.add_argument("--top", type=_positive_int, default=3, help="records listed at each end of round (default: 3)")
     parser.add_argument("--verbose", type=int, default=0, help="SB3 verbosity (default: 0)")
@@ -61,13 +71,13 @@ def _round_table(snapshots: list[Snapshot]) -> list[str]:
     lines = [f"{'round':>5} {'steps':>8} {'kept':>6} {'mean I':>11} {'std I':>11} {'frac<0':>7} {'corr(I,A)':>9}"]
     for snapshot in snapshots:
         arrays = snapshot.arrays
-        scores = arrays["influence/return"].ravel()
-        advantages = arrays["advantage"].ravel()
+        scores = snapshot.scores("return")
+        advantages = snapshot.flat("advantage")
         corr = np.nan
         if scores.std() > 0 and advantages.std() > 0:
             corr = float(np.corrcoef(scores, advantages)[0, 1])
         lines.append(
-            f"{int(arrays['round']):>5} {snapshot.num_timesteps:>8} {arrays['keep'].mean():>6.3f} {scores.mean():>11.3e} "
+            f"{snapshot.round:>5} {snapshot.num_timesteps:>8} {arrays['keep'].mean():>6.3f} {scores.mean():>11.3e} "
             f"{scores.std():>11.3e} {np.mean(scores < 0):>7.3f} {corr:>9.3f}"
         )
     return lines
@@ -105,14 +115,14 @@ def summary(save_dir: str, top: int = 3) -> str:
     :param top: Records listed at each end of the last round.
     :return: The text.
     """
-    snapshots = [load_snapshot(file) for file in snapshot_files(save_dir)]
+    snapshots = load_all(save_dir)
     snapshots = [snapshot for snapshot in snapshots if "return" in snapshot.targets]
     if not snapshots:
         raise ValueError(f"No snapshot scored with the 'return' target in {save_dir!r}")
     last = snapshots[-1]
     lines = ["Per round (I: influence on the return target; kept: fraction of records IIF kept):"]
     lines += _round_table(snapshots)
-    lines += ["", f"Most helpful (top) and most harmful (bottom) records of round {int(last.arrays['round'])}:"]
+    lines += ["", f"Most helpful (top) and most harmful (bottom) records of round {last.round}:"]
     lines += _extremes(last, top)
     return "\n".join(lines)
 
@@ -131,6 +141,11 @@ def run(args: argparse.Namespace, save_dir: str) -> str:
     from sb3_influence.influence_ppo import InfluencePPO
 
     n_steps = min(args.n_steps, args.timesteps)
+    # The callbacks first: a bad save_dir is reported before the env is made
+    callbacks: list[BaseCallback] = [
+        IIFCallback(fraction=args.fraction, rule=args.rule),
+        AttributionCallback(targets=("return",), save_dir=save_dir, overwrite=args.overwrite),
+    ]
     model = InfluencePPO(
         "MlpPolicy",
         args.env,
@@ -140,10 +155,6 @@ def run(args: argparse.Namespace, save_dir: str) -> str:
         seed=args.seed,
         verbose=args.verbose,
     )
-    callbacks: list[BaseCallback] = [
-        IIFCallback(fraction=args.fraction, rule=args.rule),
-        AttributionCallback(targets=("return",), save_dir=save_dir),
-    ]
     model.learn(args.timesteps, callback=callbacks)
     lines = [
         f"InfluencePPO + IIF (rule {args.rule}, fraction {args.fraction}) on {args.env}: "
@@ -169,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     :return: The exit status.
     """
     args = make_parser().parse_args(argv)
+    if args.eval_episodes < 0:
+        make_parser().error(f"argument --eval-episodes: must be 0 (skip) or a positive int, got {args.eval_episodes}")
     if args.save_dir is not None:
-        os.makedirs(args.save_dir, exist_ok=True)
         report = run(args, args.save_dir)
         report += f"\nSnapshots: {args.save_dir} (load them with sb3_influence.load_snapshots)"
     else:
@@ -181,4 +193,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from sb3_influence.cli import main as cli_main
+
+    raise SystemExit(cli_main(["run", *sys.argv[1:]]))

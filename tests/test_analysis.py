@@ -7,6 +7,7 @@ import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
 
 from sb3_influence import ActionTarget, InfluencePPO
+from sb3_influence.common.snapshots import save_snapshot
 from sb3_influence.analysis import (
     DiagnosisCallback,
     InterventionCallback,
@@ -246,7 +247,7 @@ def test_behaviour_formation_rounds(tmp_path):
     recorder = SnapshotRecorder({"right_at_start": target})
     model.learn(64 * 3, callback=recorder)
     for i, arrays in enumerate(recorder.snapshots):
-        np.savez(tmp_path / f"snapshot_{int(arrays['num_timesteps'])}_steps.npz", **arrays)
+        save_snapshot(str(tmp_path / f"snapshot_{int(arrays['num_timesteps'])}_steps.npz"), arrays, {})
         assert i == int(arrays["round"])
 
     def coordinates(obs):

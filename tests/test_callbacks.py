@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch as th
 from stable_baselines3 import PPO
-from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback, EvalCallback
+from stable_baselines3.common.callbacks import CheckpointCallback, EvalCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
 from stable_baselines3.common.vec_env import SubprocVecEnv, VecNormalize
 
 from sb3_influence import AttributionCallback, IIFCallback, InfluencePPO, load_snapshot, load_snapshots
+from sb3_influence.common.callbacks import RoundCallback
 
 TINY = dict(n_steps=64, batch_size=32, n_epochs=2, policy_kwargs=dict(net_arch=[16]))
 
@@ -22,18 +23,17 @@ def _model(seed: int = 0, env: str | object = "CartPole-v1", n_envs: int = 1, **
     return InfluencePPO("MlpPolicy", env, seed=seed, **{**TINY, **kwargs})
 
 
-class Recorder(BaseCallback):
-    """Records, at the end of each rollout, the (cached, unfiltered) return scores and the keep mask."""
+class Recorder(RoundCallback):
+    """A round observer: records the (shared, unfiltered) return scores and the final keep mask of each round."""
+
+    round_role = "observer"
 
     def __init__(self):
         super().__init__()
         self.scores: list[np.ndarray] = []
         self.keeps: list[np.ndarray] = []
 
-    def _on_step(self) -> bool:
-        return True
-
-    def _on_rollout_end(self) -> None:
+    def on_round(self, round_) -> None:
         self.scores.append(self.model.compute_influence("return", cache=True))
         self.keeps.append(self.model.rollout_buffer.keep.copy())
 
@@ -103,12 +103,12 @@ def test_bad_inputs():
     for fraction in ("0.5", True, None):
         with pytest.raises(TypeError, match="fraction"):
             IIFCallback(fraction=fraction)
-    with pytest.raises(ValueError, match="unknown rule 'top'"):
-        IIFCallback(rule="top")
+    with pytest.raises(ValueError, match="unknown rule 'worst'"):
+        IIFCallback(rule="worst")
+    with pytest.raises(TypeError, match="rule must be a name"):
+        IIFCallback(rule=3)
     with pytest.raises(ValueError, match="Unknown target"):
         IIFCallback(target="value")
-    with pytest.raises(ValueError, match="batch_size"):
-        IIFCallback(batch_size=0)
     with pytest.raises(ValueError, match="every"):
         AttributionCallback(every=0)
     with pytest.raises(ValueError, match="distinct"):
@@ -161,8 +161,13 @@ def test_every_and_on_training_end_twice(tmp_path):
     attribution = AttributionCallback(save_dir=str(tmp_path), every=2)
     iif = IIFCallback(fraction=0.25)
     model.learn(5 * 64, callback=[attribution, iif])
-    names = sorted(os.listdir(tmp_path), key=lambda name: int(name.split("_")[1]))
-    assert names == ["snapshot_64_steps.npz", "snapshot_192_steps.npz", "snapshot_320_steps.npz"]
+    # Zero-padded round numbers: a plain sort (and ls) lists them in round order
+    names = sorted(os.listdir(tmp_path))
+    assert names == [
+        "snapshot_round000000_64_steps.npz",
+        "snapshot_round000002_192_steps.npz",
+        "snapshot_round000004_320_steps.npz",
+    ]
     # rl-zoo calls on_training_end again after learn()
     for _ in range(2):
         attribution.on_training_end()
@@ -170,8 +175,8 @@ def test_every_and_on_training_end_twice(tmp_path):
     # Still usable for a second learn() call
     model.learn(128, callback=[attribution, iif], reset_num_timesteps=False)
     # Rounds 5 and 6: only round 6 is due
-    assert not os.path.exists(tmp_path / "snapshot_384_steps.npz")
-    assert os.path.exists(tmp_path / "snapshot_448_steps.npz")
+    assert not os.path.exists(tmp_path / "snapshot_round000005_384_steps.npz")
+    assert os.path.exists(tmp_path / "snapshot_round000006_448_steps.npz")
 
 
 def test_logger_scalars_histogram_and_csv(tmp_path):
@@ -229,7 +234,7 @@ def test_subproc_vecnormalize_statistics_in_snapshot(tmp_path):
     model = _model(env=env)
     try:
         model.learn(2 * 128, callback=[IIFCallback(fraction=0.5), AttributionCallback(save_dir=str(tmp_path))])
-        last = load_snapshot(str(tmp_path / "snapshot_256_steps.npz"))
+        last = load_snapshot(str(tmp_path / "snapshot_round000001_256_steps.npz"))
         stats = last.metadata["vec_normalize"]
         # No rollout after the last snapshot: its statistics are the env's final ones
         np.testing.assert_allclose(stats["obs_rms"]["mean"], env.obs_rms.mean)
@@ -237,7 +242,7 @@ def test_subproc_vecnormalize_statistics_in_snapshot(tmp_path):
         np.testing.assert_allclose(stats["ret_rms"]["var"], env.ret_rms.var)
         assert stats["obs_rms"]["count"] == pytest.approx(env.obs_rms.count)
         assert last.metadata["env_id"] == "Pendulum-v1"
-        first = load_snapshot(str(tmp_path / "snapshot_128_steps.npz"))
+        first = load_snapshot(str(tmp_path / "snapshot_round000000_128_steps.npz"))
         assert first.metadata["vec_normalize"]["obs_rms"]["count"] < stats["obs_rms"]["count"]
         assert last.arrays["action"].shape == (64, 2, 1)
     finally:

@@ -28,7 +28,7 @@ def test_report_without_the_analysis_extra_names_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-c", code, str(tmp_path / "snapshots")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.returncode == 2, result.stderr[-2000:]
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("sb3-influence report: No module named ")
+    assert line.startswith("error: sb3-influence report: No module named ")
     assert line.endswith(": pip install 'sb3_influence[analysis]'")

@@ -39,7 +39,7 @@ def test_run_without_save_dir_leaves_nothing(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("argv", [["--fraction", "1.5"], ["--timesteps", "0"], ["--rule", "top"]])
+@pytest.mark.parametrize("argv", [["--fraction", "1.5"], ["--timesteps", "0"], ["--rule", "worst"]])
 def test_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit):
         demo.main(argv)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sb3_influence.common.filters import DROP_RULES, get_drop_rule, n_to_drop
+from sb3_influence.common.filters import DROP_RULES, get_drop_rule, n_to_drop, resolve_drop_rule
 
 
 def _scores(n_neg: int, n_pos: int, seed: int = 0) -> np.ndarray:
@@ -83,9 +83,31 @@ def test_n_to_drop_is_robust_to_float_error():
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="Unknown IIF rule 'top'"):
-        get_drop_rule("top")
+    with pytest.raises(ValueError, match="unknown rule 'worst'"):
+        get_drop_rule("worst")
     with pytest.raises(ValueError, match="flat score array"):
         get_drop_rule("neg-bottom")(np.zeros((2, 2)), 0.5, np.random.default_rng(0))
     with pytest.raises(ValueError, match="NaN"):
         get_drop_rule("bottom")(np.array([0.0, np.nan]), 0.5, np.random.default_rng(0))
+
+
+def test_top_and_uniform_rules():
+    scores = np.array([3.0, -1.0, 0.5, -2.0, 4.0, 0.0, 1.0, -0.5, 2.0, -3.0])
+    top = get_drop_rule("top")(scores, 0.2, None)
+    assert set(scores[top]) == {4.0, 3.0}
+    uniform = get_drop_rule("uniform")(scores, 0.3, np.random.default_rng(0))
+    assert uniform.sum() == 3
+
+
+def test_registry_is_read_only_and_own_rules_plug_in():
+    with pytest.raises(TypeError):
+        DROP_RULES["mine"] = lambda scores, fraction, rng: scores < 0  # type: ignore[index]
+
+    def drop_largest_magnitude(scores, fraction, rng):
+        return np.abs(scores) == np.abs(scores).max()
+
+    scores = np.array([0.1, -5.0, 2.0])
+    assert resolve_drop_rule(drop_largest_magnitude) is drop_largest_magnitude
+    np.testing.assert_array_equal(resolve_drop_rule("neg")(scores, 0.0, None), [False, True, False])
+    with pytest.raises(TypeError, match="rule must be a name"):
+        resolve_drop_rule(3.0)

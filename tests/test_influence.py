@@ -239,15 +239,11 @@ def test_multi_checkpoint_sums_over_the_round_steps():
     scores = model.rollout_buffer.to_flat(model.compute_influence(checkpoints="multi"))
 
     snapshots = []
-    original_step = model.policy.optimizer.step
-
-    def record_step(*args, **kwargs):
-        snapshots.append((copy.deepcopy(model.policy.state_dict()), model.rollout_buffer.current_minibatch.copy()))
-        return original_step(*args, **kwargs)
-
     reference_model = copy.deepcopy(model)
-    model.policy.optimizer.step = record_step
-    model.train()
+    # The update's own per-step hook gives the minibatch; the parameters are copied before the optimizer moves them
+    model.update(
+        step_hooks=[lambda info: snapshots.append((copy.deepcopy(model.policy.state_dict()), info.record_ids.copy()))]
+    )
     assert len(snapshots) == 6  # 48 records / 16, two epochs
 
     expected = np.zeros_like(scores)

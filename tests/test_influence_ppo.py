@@ -13,7 +13,7 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
-from stable_baselines3.common.vec_env import VecCheckNan
+from stable_baselines3.common.vec_env import SubprocVecEnv, VecCheckNan
 
 from sb3_influence import ActionTarget, InfluenceDictRolloutBuffer, InfluencePPO, InfluenceRolloutBuffer
 
@@ -46,6 +46,8 @@ def build(cls, obs="box", action="discrete", n_envs=2, seed=1, **kwargs):
         ("box", "discrete", {}),
         ("dict", "box", {"normalize_advantage": False}),
         ("image", "multidiscrete", {"batch_size": 24}),  # truncated last minibatch
+        ("box", "box", {"use_sde": True, "clip_range_vf": 0.1, "learning_rate": lambda p: 1e-3 * p}),
+        ("box", "multibinary", {"target_kl": 0.001, "clip_range": lambda p: 0.1 + 0.1 * p, "max_grad_norm": 0.05}),
     ],
 )
 def test_bit_identical_to_ppo(obs, action, kwargs):
@@ -139,7 +141,7 @@ def test_replacing_keep_with_wrong_shape_is_an_error():
     def replace(m):
         m.rollout_buffer.keep = np.ones(3, dtype=bool)
 
-    with pytest.raises(ValueError, match=r"rollout_buffer\.keep must have shape"):
+    with pytest.raises(ValueError, match=r"rollout_buffer\.keep must be a boolean array of shape"):
         model.learn(64, callback=OnRollout(replace))
 
 
@@ -288,3 +290,129 @@ def test_cache_is_shared_within_a_round_only():
     assert not np.array_equal(model.compute_influence(), first)  # no cache: recomputed
     collect_rollout(model)
     assert not np.array_equal(model.compute_influence(cache=True), first)  # next rollout: recomputed
+
+
+def test_bit_identical_with_subproc_vec_env():
+    def build_subproc(cls):
+        env = make_vec_env(lambda: make_env("box", "discrete"), n_envs=2, seed=3, vec_env_cls=SubprocVecEnv,
+                           vec_env_kwargs=dict(start_method="fork"))  # fmt: skip
+        return cls("MlpPolicy", env, n_steps=32, batch_size=16, n_epochs=2, seed=3, policy_kwargs=dict(net_arch=[8]))
+
+    # Build and train one after the other: construction seeds numpy's global RNG, which the updates draw from
+    ppo = build_subproc(PPO)
+    try:
+        ppo.learn(128)
+        model = build_subproc(InfluencePPO)
+        try:
+            model.learn(128)
+            assert params_equal(ppo, model)
+        finally:
+            model.env.close()
+    finally:
+        ppo.env.close()
+
+
+def test_compute_influence_after_learn_scores_theta_k_and_keeps_training_bit_identical():
+    """learn(); compute_influence(); learn(reset_num_timesteps=False) is PPO bit for bit, and the scores are θ(k)'s."""
+    at_theta_k = []
+    probe = build(InfluencePPO)
+    probe.learn(64, callback=OnRollout(lambda m: at_theta_k.append(m.compute_influence())))
+    ppo = build(PPO)
+    ppo.learn(64)
+    ppo.learn(64, reset_num_timesteps=False)
+    model = build(InfluencePPO)
+    model.learn(64)
+    after = model.compute_influence()
+    multi = model.compute_influence(checkpoints="multi")
+    assert model.last_round is not None and model.last_round.index == 0
+    model.learn(64, reset_num_timesteps=False)
+    assert params_equal(ppo, model)
+    # The parameters had moved: the scores are still those of θ(k), the round's starting point
+    np.testing.assert_array_equal(after, at_theta_k[0])
+    assert np.isfinite(multi).all() and not np.array_equal(multi, after)
+
+
+def test_two_models_trained_alternately_keep_their_own_filters():
+    from sb3_influence import IIFCallback
+
+    a, b = build(InfluencePPO, seed=1), build(InfluencePPO, seed=1)
+    iif_a, iif_b = IIFCallback(fraction=1.0, rule="bottom"), IIFCallback(fraction=0.25, rule="bottom")
+    kept = {"a": [], "b": []}
+    for _ in range(2):
+        a.learn(64, callback=[iif_a, OnRollout(lambda m: None)], reset_num_timesteps=False)
+        kept["a"].append(a.rollout_buffer.keep.mean())
+        b.learn(64, callback=iif_b, reset_num_timesteps=False)
+        kept["b"].append(b.rollout_buffer.keep.mean())
+    assert kept["a"] == [0.0, 0.0]
+    assert kept["b"] == [0.75, 0.75]
+    # And a model trained with no callback after them is plain PPO: nothing of theirs leaks in
+    c = build(InfluencePPO, seed=1)
+    c.learn(64)
+    assert c.rollout_buffer.keep.all()
+
+
+def test_filter_of_a_learn_that_raised_does_not_act_later():
+    from sb3_influence import IIFCallback
+
+    class Boom(BaseCallback):
+        def _on_step(self) -> bool:
+            raise RuntimeError("boom")
+
+    model = build(InfluencePPO)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.learn(64, callback=[IIFCallback(fraction=1.0, rule="bottom"), Boom()])
+    model.learn(64)
+    assert model.rollout_buffer.keep.all()
+
+
+def test_round_numbers_continue_across_learn_calls_and_save_load(tmp_path):
+    model = build(InfluencePPO)
+    model.learn(64)
+    model.learn(64)  # reset_num_timesteps=True: num_timesteps restarts, rounds do not
+    assert model.num_timesteps == 64 and model.n_rounds == 2 and model.last_round.index == 1
+    model.save(tmp_path / "m.zip")
+    loaded = InfluencePPO.load(tmp_path / "m.zip", env=model.get_env())
+    assert loaded.n_rounds == 2
+    loaded.learn(64)
+    assert loaded.last_round.index == 2
+
+
+def test_step_hook_reports_the_clip_mask_and_the_clip_coefficient():
+    model = build(InfluencePPO, n_epochs=3, max_grad_norm=0.01, clip_range=0.05, learning_rate=0.05)
+    collect_rollout(model)
+    infos = []
+
+    def check(info):
+        # θ_j: the parameters have not moved yet, the gradient is the clipped one
+        grads = [p.grad for p in model.policy.parameters() if p.grad is not None]
+        norm = th.linalg.vector_norm(th.stack([th.linalg.vector_norm(g) for g in grads]))
+        infos.append((info, float(norm)))
+
+    model.update(step_hooks=[check])
+    assert [info.step for info, _ in infos] == list(range(len(infos))) and len(infos) == 3 * 4
+    for info, clipped_norm in infos:
+        assert 0 < info.clip_coef <= 1
+        # After clipping, the gradient norm is max_grad_norm whenever the coefficient is below one
+        if info.clip_coef < 1:
+            assert clipped_norm == pytest.approx(0.01, rel=1e-4)
+        expected = ((info.advantages > 0) & (info.ratio > 1.05)) | ((info.advantages < 0) & (info.ratio < 0.95))
+        assert th.equal(info.clipped, expected)
+        assert len(info.record_ids) == len(info.advantages) == 16
+    assert any(info.clipped.any() for info, _ in infos[4:])  # later epochs move far enough to clip
+    assert infos[0][0].epoch == 0 and infos[-1][0].epoch == 2
+
+
+def test_one_record_minibatch_after_filtering_joins_the_previous_one():
+    model = build(InfluencePPO, n_envs=1, n_steps=64, batch_size=16)
+    collect_rollout(model)
+    model.rollout_buffer.keep[:15] = False  # 49 kept = 3 * 16 + 1
+    sizes = []
+    model.update(step_hooks=[lambda info: sizes.append(len(info.record_ids))])
+    assert sizes == [16, 16, 17] * 2
+
+
+def test_multi_checkpoint_on_a_fully_dropped_round_is_zero():
+    model = build(InfluencePPO)
+    collect_rollout(model)
+    model.rollout_buffer.keep[...] = False
+    np.testing.assert_array_equal(model.compute_influence(checkpoints="multi"), np.zeros((32, 2)))

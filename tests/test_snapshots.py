@@ -7,16 +7,16 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
-from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 
 from sb3_influence import AttributionCallback, IIFCallback, InfluencePPO, load_snapshot, load_snapshots
 from sb3_influence.common import snapshots
+from sb3_influence.common.callbacks import RoundCallback
 
 TINY = dict(n_steps=32, batch_size=16, n_epochs=1, policy_kwargs=dict(net_arch=[8]))
 
 
-class BufferCopy(BaseCallback):
+class BufferCopy(RoundCallback):
     """Copies, after the other callbacks, what the buffer holds at the end of each rollout."""
 
     def __init__(self, attribution: AttributionCallback):
@@ -24,10 +24,7 @@ class BufferCopy(BaseCallback):
         self.attribution = attribution
         self.rounds: list[dict[str, np.ndarray]] = []
 
-    def _on_step(self) -> bool:
-        return True
-
-    def _on_rollout_end(self) -> None:
+    def on_round(self, round_) -> None:
         buffer = self.model.rollout_buffer
         self.rounds.append(
             {
@@ -70,7 +67,7 @@ def test_round_trip_through_load_snapshots(tmp_path):
         np.testing.assert_array_equal(np.stack(rows["obs"].to_list()), saved["obs"].swapaxes(0, 1).reshape(-1, 4))
         assert not rows["keep"].all()
 
-    snapshot = load_snapshot(str(tmp_path / "snapshot_192_steps.npz"))
+    snapshot = load_snapshot(str(tmp_path / "snapshot_round000002_192_steps.npz"))
     assert snapshot.targets == ["return"] and snapshot.num_timesteps == 192
     np.testing.assert_array_equal(snapshot.arrays["influence/return"], copy.rounds[-1]["influence"])
     assert snapshot.arrays["obs"].shape == (n_steps, n_envs, 4)
@@ -82,7 +79,7 @@ def test_round_trip_through_load_snapshots(tmp_path):
     assert metadata["vec_normalize"] is None
     assert frame.attrs["metadata"][0]["config"]["algo"] == "InfluencePPO"
     # A single file loads too
-    assert len(load_snapshots(str(tmp_path / "snapshot_64_steps.npz"))) == n_steps * n_envs
+    assert len(load_snapshots(str(tmp_path / "snapshot_round000000_64_steps.npz"))) == n_steps * n_envs
 
 
 class DictEnv(gym.Env):
@@ -152,12 +149,54 @@ def test_metadata_is_plain_json(tmp_path):
     }
 
 
-def test_loaded_snapshot_feeds_the_analysis_reader(tmp_path):
-    from sb3_influence.analysis import _io
-
+def test_one_reader_for_paths_snapshots_and_dicts(tmp_path):
     model = InfluencePPO("MlpPolicy", "CartPole-v1", seed=0, **TINY)
     model.learn(32, callback=AttributionCallback(save_dir=str(tmp_path)))
-    snapshot = load_snapshot(str(tmp_path / "snapshot_32_steps.npz"))
-    arrays = _io.snapshot_arrays(snapshot)
-    assert _io.snapshot_metadata(arrays) == snapshot.metadata
-    assert snapshot.metadata["seed"] == 0
+    path = str(tmp_path / "snapshot_round000000_32_steps.npz")
+    loaded = load_snapshot(path)
+    for given in (path, loaded, dict(loaded.arrays)):
+        snapshot = snapshots.as_snapshot(given)
+        assert snapshot.metadata == loaded.metadata and snapshot.metadata["seed"] == 0
+        np.testing.assert_array_equal(snapshot.scores(), loaded.scores("return"))
+    with pytest.raises(TypeError, match="snapshot must be"):
+        snapshots.as_snapshot(3)
+
+
+def test_old_file_names_load_and_order_comes_from_the_stored_round(tmp_path):
+    model = InfluencePPO("MlpPolicy", "CartPole-v1", seed=0, **TINY)
+    model.learn(3 * 32, callback=AttributionCallback(save_dir=str(tmp_path / "new")))
+    (tmp_path / "old").mkdir()
+    for snapshot in snapshots.load_all(str(tmp_path / "new")):
+        # The earlier naming scheme, <prefix>_<num_timesteps>_steps.npz: "100" sorts before "32" by name
+        name = f"snapshot_{snapshot.num_timesteps + (1000 if snapshot.round == 0 else 0)}_steps.npz"
+        os.replace(snapshot.path, tmp_path / "old" / name)
+    assert [s.round for s in snapshots.load_all(str(tmp_path / "old"))] == [0, 1, 2]
+    assert list(load_snapshots(str(tmp_path / "old"))["round"].unique()) == [0, 1, 2]
+
+
+def test_record_order_is_the_same_in_dataframe_analysis_and_report(tmp_path):
+    """n_envs = 3: load_snapshots, the analysis functions and the report map each record to the same (step, env)."""
+    from sb3_influence.analysis import top_bottom_records
+    from sb3_influence.analysis.report import round_summary
+
+    env = make_vec_env("CartPole-v1", n_envs=3, seed=0)
+    model = InfluencePPO("MlpPolicy", env, seed=0, **TINY)
+    model.learn(96, callback=AttributionCallback(save_dir=str(tmp_path)))
+    snapshot = snapshots.load_all(str(tmp_path))[0]
+    scores = snapshot.arrays["influence/return"]  # (n_steps, n_envs), the buffer's layout
+    assert scores.shape == (32, 3)
+    frame = load_snapshots(str(tmp_path))
+    for _, row in frame.iterrows():
+        assert row["influence_return"] == scores[row["step"], row["env"]]
+        assert row["record_id"] == row["env"] * 32 + row["step"]
+    table = top_bottom_records(snapshot, k=5)
+    for _, row in table.iterrows():
+        assert row["influence"] == scores[row["step"], row["env"]]
+        assert row["record_id"] == row["env"] * 32 + row["step"]
+        assert row["advantage"] == snapshot.arrays["advantage"][row["step"], row["env"]]
+    assert list(table["rank"][:5]) == [1, 2, 3, 4, 5]
+    # The report's Spearman(I, A) pairs each record's score with its own advantage
+    from sb3_influence.analysis.formation import _spearman
+
+    summary = round_summary([snapshot])
+    assert summary["spearman_advantage"][0] == pytest.approx(_spearman(scores.ravel(), snapshot.arrays["advantage"].ravel()))

@@ -138,7 +138,9 @@ def test_main_usage_and_unknown_script(capsys):
     assert "give one of ['influence_ppo', 'ppo']" in capsys.readouterr().err
     # No -conf and an env the shipped file does not cover: one line naming --env and the fix
     assert zoo.main(["train", "--algo", "influence_ppo", "--env", "Pendulum-v1"]) == 2
-    assert "--env Pendulum-v1: sb3_influence's influence_ppo hyperparameters cover" in capsys.readouterr().err
+    assert "error: sb3-influence-zoo train: --env Pendulum-v1: sb3_influence's influence_ppo hyperparameters cover" in (
+        capsys.readouterr().err
+    )
 
 
 def test_cli_train_run_with_yaml_callbacks(tmp_path):
@@ -227,9 +229,9 @@ def test_a_missing_module_names_itself_and_its_extra(tmp_path):
     # Hide `requests` (rl_zoo3's enjoy imports it through load_from_hub; its train does not)
     hide = "import sys; sys.modules['requests'] = None; from sb3_influence.zoo import main; "
     result = _run_python(hide + "sys.exit(main(['enjoy', '--help']))", tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "sb3-influence-zoo enjoy: No module named 'requests': pip install 'sb3_influence[zoo]'"
+        "error: sb3-influence-zoo enjoy: No module named 'requests': pip install 'sb3_influence[zoo]'"
     )
     # The launcher imports only the script it runs: train does not need requests
     result = _run_python(hide + "sys.exit(main(['train', '--help']))", tmp_path)
@@ -240,8 +242,10 @@ def test_a_missing_module_names_itself_and_its_extra(tmp_path):
 def test_zoo_package_imports_without_rl_zoo3(tmp_path):
     hide = "import sys; sys.modules['rl_zoo3'] = sys.modules['optuna'] = sys.modules['yaml'] = None; "
     result = _run_python(hide + "from sb3_influence.zoo import main; sys.exit(main(['train', '--help']))", tmp_path)
-    assert result.returncode == 1
-    assert result.stderr.strip() == "sb3-influence-zoo train: No module named 'rl_zoo3': pip install 'sb3_influence[zoo]'"
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: sb3-influence-zoo train: No module named 'rl_zoo3': pip install 'sb3_influence[zoo]'"
+    )
 
 
 def test_missing_module_message():
@@ -251,7 +255,8 @@ def test_missing_module_message():
     assert missing_module_message(error, "sb3-influence report", "analysis").endswith("pip install 'sb3_influence[analysis]'")
     assert missing_module_message(error, "sb3-influence-zoo train", "zoo").endswith("pip install 'sb3_influence[zoo]'")
     error = ModuleNotFoundError("No module named 'minigrid.wrappers'", name="minigrid.wrappers")
-    assert missing_module_message(error, "x", "zoo") == "x: No module named 'minigrid': pip install 'sb3_influence[minigrid]'"
+    message = missing_module_message(error, "x", "zoo")
+    assert message == "error: x: No module named 'minigrid': pip install 'sb3_influence[minigrid]'"
     error = ModuleNotFoundError("No module named 'wandb'", name="wandb")
     assert "no sb3_influence extra installs" in missing_module_message(error, "x", "zoo")
 

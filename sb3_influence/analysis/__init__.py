@@ -1,5 +1,5 @@
 """
-The paper's three applications (METHOD §5) and the HTML report.
+The paper's three applications (Sec. 4: diagnosis, behaviour formation, intervention) and the HTML report.
 
 - :mod:`~sb3_influence.analysis.diagnosis`: top/bottom records, exact advantages on tabular envs, the
   influence-advantage correlation;

@@ -1,21 +1,24 @@
-"""What the analysis callbacks share: run ``_on_round`` at the end of chosen rollouts of an InfluencePPO training."""
+"""What the analysis callbacks share: observe chosen rounds of an influence algorithm's training."""
 
 from collections.abc import Iterable
 
 import numpy as np
-from stable_baselines3.common.callbacks import BaseCallback
 
-from sb3_influence.common.snapshots import round_index
+from sb3_influence.common.callbacks import RoundCallback
+from sb3_influence.common.round import InfluenceRound
 
 
-class RoundCallback(BaseCallback):
+class AnalysisCallback(RoundCallback):
     """
-    Calls ``_on_round(round)`` in ``_on_rollout_end`` (after GAE, before the update) at the chosen rounds.
+    An observer of the round (after every filter acted, before the update) that calls ``_on_round(index)`` at
+    the chosen rounds; the parameters are θ(k) and the buffer holds round k.
 
     :param rounds: Rounds to act at, numbered as the snapshots' ``round`` (the first rollout is round 0);
         ``None``: every round.
     :param verbose: Verbosity level.
     """
+
+    round_role = "observer"
 
     def __init__(self, rounds: Iterable[int] | None = None, verbose: int = 0):
         super().__init__(verbose)
@@ -25,22 +28,9 @@ class RoundCallback(BaseCallback):
                 raise ValueError(f"rounds must be a list of non-negative ints (0 = the first rollout) or None, got {rounds!r}")
         self.rounds = None if rounds is None else {int(r) for r in rounds}
 
-    def _init_callback(self) -> None:
-        from sb3_influence.influence_ppo import InfluencePPO
-
-        if not isinstance(self.model, InfluencePPO):
-            raise TypeError(
-                f"{type(self).__name__} needs an InfluencePPO model, got {type(self.model).__name__}: "
-                "use sb3_influence.InfluencePPO (same arguments as PPO)"
-            )
-
-    def _on_step(self) -> bool:
-        return True
-
-    def _on_rollout_end(self) -> None:
-        index = round_index(self.model)  # type: ignore[arg-type]
-        if self.rounds is None or index in self.rounds:
-            self._on_round(index)
+    def on_round(self, round_: InfluenceRound) -> None:
+        if self.rounds is None or round_.index in self.rounds:
+            self._on_round(round_.index)
 
     def _on_round(self, index: int) -> None:
         raise NotImplementedError

@@ -1,5 +1,5 @@
 """
-Diagnosis of learning (METHOD §5.1): which records of a round hurt the return, and why.
+Diagnosis of learning (the paper's Sec. 4.1): which records of a round hurt the return, and why.
 
 The records with the most negative influence on ``f_return`` tend to carry wrong advantage estimates (sign
 flips, large errors). :func:`top_bottom_records` lists the extremes of a snapshot with their advantages; on a
@@ -16,9 +16,8 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_influence.analysis._callbacks import RoundCallback
-from sb3_influence.analysis._io import influence_key, snapshot_arrays
-from sb3_influence.common.snapshots import round_index
+from sb3_influence.analysis._callbacks import AnalysisCallback
+from sb3_influence.common.snapshots import as_snapshot
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -35,38 +34,34 @@ def top_bottom_records(snapshot: Any, target: str | None = None, k: int = 10) ->
     :param snapshot: A snapshot path, ``load_snapshot`` result or dict of arrays.
     :param target: The target whose influence ranks the records (default ``"return"``, else the only one).
     :param k: Records per group.
-    :return: DataFrame with columns ``group`` (``"top"``/``"bottom"``), ``rank`` (0 = most extreme), ``step``,
+    :return: DataFrame with columns ``group`` (``"top"``/``"bottom"``), ``rank`` (1 = most extreme), ``step``,
         ``env``, ``record_id``, ``influence``, ``obs``, ``action`` and every per-record field of the snapshot.
     """
     import pandas as pd
 
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k must be a positive int (records per group), got {k!r}")
-    arrays = snapshot_arrays(snapshot)
-    scores = np.asarray(arrays[influence_key(arrays, target)], dtype=np.float64)
-    n_steps, n_envs = scores.shape
-    flat = scores.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    k = min(int(k), flat.size)
+    snapshot = as_snapshot(snapshot)
+    scores = snapshot.scores(target)  # record-id order: record_id = env * n_steps + step
+    n_steps, _ = snapshot.layout
+    order = np.argsort(scores, kind="stable")
+    k = min(int(k), scores.size)
+    columns = {name: snapshot.flat(name) for name in (*_RECORD_COLUMNS, "obs", "action") if name in snapshot.arrays}
     rows = []
-    for group, positions in (("top", order[::-1][:k]), ("bottom", order[:k])):
-        for rank, position in enumerate(positions):
-            step, env = divmod(int(position), n_envs)
+    for group, record_ids in (("top", order[::-1][:k]), ("bottom", order[:k])):
+        for rank, record_id in enumerate(record_ids, start=1):
+            env, step = divmod(int(record_id), n_steps)
             row: dict[str, Any] = {
                 "group": group,
                 "rank": rank,
                 "step": step,
                 "env": env,
-                "record_id": env * n_steps + step,
-                "influence": float(flat[position]),
+                "record_id": int(record_id),
+                "influence": float(scores[record_id]),
             }
-            for name in _RECORD_COLUMNS:
-                if name in arrays:
-                    row[name] = np.asarray(arrays[name]).reshape(n_steps * n_envs)[position].item()
-            for name in ("obs", "action"):
-                if name in arrays:
-                    value = np.asarray(arrays[name])[step, env]
-                    row[name] = value.item() if value.size == 1 else value
+            for name, values in columns.items():
+                value = np.asarray(values[record_id])
+                row[name] = value.item() if value.size == 1 else value
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -179,7 +174,7 @@ def advantage_correlation(
 ) -> tuple[float, float]:
     """
     Spearman correlation between the influence of records and ``Ā·Â``, their true advantage times the
-    estimated one (METHOD §5.1).
+    estimated one (the paper's Sec. 4.1).
 
     :param influence: Influence scores, any shape.
     :param true_advantage: ``Ā`` of the same records, same shape.
@@ -232,7 +227,7 @@ def diagnose_tabular(
     true_advantage = values.advantage[states, actions]
     rho, p_value = advantage_correlation(influence, true_advantage, estimate)
     return {
-        "round": round_index(model),
+        "round": model.current_round().index,
         "num_timesteps": int(model.num_timesteps),
         "spearman": rho,
         "p_value": p_value,
@@ -244,7 +239,7 @@ def diagnose_tabular(
     }
 
 
-class DiagnosisCallback(RoundCallback):
+class DiagnosisCallback(AnalysisCallback):
     """
     Run :func:`diagnose_tabular` at chosen rounds of an ``InfluencePPO`` training on a tabular env.
 

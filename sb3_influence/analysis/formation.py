@@ -1,5 +1,5 @@
 """
-Temporal analysis of behaviour formation (METHOD §5.2).
+Temporal analysis of behaviour formation (the paper's Sec. 4.2).
 
 Score every round with an ``ActionTarget`` for one behaviour (``AttributionCallback(targets=[...])`` writes the
 scores into the snapshots) and follow the records that drive it. The paper sees three phases: action-advantage
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch as th
 
-from sb3_influence.analysis._io import influence_key, load_all, observations, scalar
+from sb3_influence.common.snapshots import load_all
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -31,7 +31,7 @@ def graph_roughness(
     positive_only: bool = True,
 ) -> float:
     """
-    Graph roughness of influence scores over a state graph (METHOD §5.2):
+    Graph roughness of influence scores over a state graph (the paper's Sec. 4.2):
     ``Σ_{i<j} w_ij (Ĩ_i - Ĩ_j)² / Σ_{i<j} w_ij`` with ``Ĩ = I / ‖I‖∞`` and Gaussian weights
     ``w_ij = exp(-‖e_i - e_j‖² / σ²)`` kept only between ``u`` nearest neighbours (an edge exists when either end
     is among the other's ``n_neighbors`` nearest). Low values: similar states get similar scores (clustering).
@@ -138,7 +138,7 @@ def behaviour_formation(
     top_fraction: float = 0.1,
 ) -> "pd.DataFrame":
     """
-    Per-round metrics of how the records drive one behaviour (METHOD §5.2).
+    Per-round metrics of how the records drive one behaviour (the paper's Sec. 4.2).
 
     :param snapshots: A directory of snapshots, a file, or a list of snapshots (paths, ``load_snapshot`` results
         or dicts of arrays) scored with the behaviour's ``ActionTarget``.
@@ -158,17 +158,18 @@ def behaviour_formation(
     if not 0 < top_fraction <= 1:
         raise ValueError(f"top_fraction must be in (0, 1], got {top_fraction!r}")
     rows = []
-    for arrays in load_all(snapshots):
-        scores = np.asarray(arrays[influence_key(arrays, target)], dtype=np.float64).reshape(-1)
-        advantages = np.asarray(arrays.get("training_advantage", arrays.get("advantage")), dtype=np.float64).reshape(-1)
-        states = observations(arrays)
+    for snapshot in load_all(snapshots):
+        scores = snapshot.scores(target)
+        advantage_key = "training_advantage" if "training_advantage" in snapshot.arrays else "advantage"
+        advantages = snapshot.flat(advantage_key).astype(np.float64)
+        states = snapshot.observations()
         embeddings = states if embed is None else np.asarray(embed(states), dtype=np.float64)
         n_top = max(1, round(top_fraction * scores.size))
         top = np.argsort(scores)[::-1][:n_top]
         rows.append(
             {
-                "round": scalar(arrays, "round"),
-                "num_timesteps": scalar(arrays, "num_timesteps"),
+                "round": snapshot.round,
+                "num_timesteps": snapshot.num_timesteps,
                 "association": _spearman(scores, advantages),
                 "roughness": graph_roughness(scores, embeddings, n_neighbors=n_neighbors),
                 "scale": float(np.abs(scores).max()) if scores.size else float("nan"),

@@ -1,15 +1,17 @@
 """
-Targeted intervention (METHOD §5.3): retrain one round without a chosen set of records.
+Targeted intervention (the paper's Sec. 4.3): retrain one round without a chosen set of records.
 
-From θ(k) and the rollout buffer of round k, :func:`intervene` runs PPO's ordinary update once per *arm* — all
+From θ(k) and the rollout buffer of round k, :func:`intervene` runs the model's own update once per *arm* — all
 records (the reference), without the negative records, without the bottom / top x %, without a random set of
-the same size — and reports how the target and the test return move against the unfiltered retrain. Between
-arms, and at the end, it restores θ(k), the optimizer state, the keep mask and the numpy / torch RNG states, so
-training goes on exactly as if nothing had happened. :class:`InterventionCallback` runs it at chosen rounds.
+the same size — and reports how the target and the test return move against the unfiltered retrain. Each arm
+starts from the round's captured training state at θ(k) (parameters, optimizer, RNG); afterwards the model's
+training state is put back (:func:`sb3_influence.common.state.training_state`), so training goes on exactly as if
+nothing had happened. The arms use the drop rules of :mod:`sb3_influence.common.filters`, the same ones
+``IIFCallback`` uses. :class:`InterventionCallback` runs it at chosen rounds.
 """
 
-import copy
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,8 +20,10 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 
-from sb3_influence.analysis._callbacks import RoundCallback
-from sb3_influence.common.snapshots import round_index
+from sb3_influence.analysis._callbacks import AnalysisCallback
+from sb3_influence.common import sb3_compat
+from sb3_influence.common.filters import get_drop_rule
+from sb3_influence.common.state import training_state
 from sb3_influence.common.targets import Target, as_target
 
 if TYPE_CHECKING:
@@ -29,39 +33,47 @@ if TYPE_CHECKING:
 
 ARMS = ("negatives", "bottom", "top", "random", "random_negatives")
 
+# Arm -> (drop rule of sb3_influence.common.filters, whether the arm's `fraction` applies; else the rule gets 1)
+_ARM_RULES = MappingProxyType(
+    {
+        "negatives": ("neg", False),
+        "bottom": ("bottom", True),
+        "top": ("top", True),
+        "random": ("random", False),
+        "random_negatives": ("uniform", True),
+    }
+)
+
 
 def drop_mask(scores: np.ndarray, arm: str, fraction: float = 0.05, rng: np.random.Generator | None = None) -> np.ndarray:
     """
     The records an arm drops.
 
-    :param scores: Influence scores, shape ``(n_steps, n_envs)``.
+    :param scores: Influence scores, shape ``(n_steps, n_envs)`` (or flat, by record id).
     :param arm: ``"negatives"`` (every record with I < 0), ``"bottom"`` / ``"top"`` (the ``floor(fraction · n)``
         lowest / highest), ``"random"`` (as many records as ``"negatives"``, uniformly),
-        ``"random_negatives"`` (``floor(fraction · n)`` records drawn at random: the same size as bottom/top).
+        ``"random_negatives"`` (``floor(fraction · n)`` records drawn uniformly: the size of bottom/top).
     :param fraction: Share of records for ``bottom``, ``top`` and ``random_negatives``.
     :param rng: Generator for the random arms (default: seeded with 0).
     :return: Boolean array of the same shape, True for dropped records.
     """
-    if arm not in ARMS:
+    if arm not in _ARM_RULES:
         raise ValueError(f"arm must be one of {ARMS} or a boolean drop mask, got {arm!r}")
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float, np.integer, np.floating))
+        or not 0.0 <= fraction <= 1.0
+    ):
+        raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
     scores = np.asarray(scores, dtype=np.float64)
-    flat = scores.reshape(-1)
-    rng = np.random.default_rng(0) if rng is None else rng
-    drop = np.zeros(flat.size, dtype=bool)
-    n_fraction = int(np.floor(fraction * flat.size))
-    order = np.argsort(flat, kind="stable")
-    if arm == "negatives":
-        drop = flat < 0
-    elif arm == "bottom":
-        drop[order[:n_fraction]] = True
-    elif arm == "top":
-        drop[order[flat.size - n_fraction :]] = True
-    elif arm == "random":
-        drop[rng.choice(flat.size, size=int((flat < 0).sum()), replace=False)] = True
-    else:
-        drop[rng.choice(flat.size, size=n_fraction, replace=False)] = True
+    # Rules see records by record id (env-major), as everywhere else in the package
+    flat = scores.swapaxes(0, 1).reshape(-1) if scores.ndim == 2 else scores.reshape(-1)
+    rule, uses_fraction = _ARM_RULES[arm]
+    drop = get_drop_rule(rule)(
+        flat, float(fraction) if uses_fraction else 1.0, np.random.default_rng(0) if rng is None else rng
+    )
+    if scores.ndim == 2:
+        return drop.reshape(scores.shape[1], scores.shape[0]).swapaxes(0, 1)
     return drop.reshape(scores.shape)
 
 
@@ -79,38 +91,6 @@ def target_value(model: "InfluencePPO", target: str | Target = "return", batch_s
     with engine.eval_mode(), th.no_grad():
         terms = target.terms(engine, batch_size or model.influence_batch_size)
         return float(sum(float(term.detach().cpu()) for term in terms))
-
-
-class _State:
-    """Everything ``train()`` or an evaluation changes, saved once and restored as often as needed."""
-
-    def __init__(self, model: "InfluencePPO"):
-        buffer = model.rollout_buffer
-        self.policy = copy.deepcopy(model.policy.state_dict())
-        self.optimizer = copy.deepcopy(model.policy.optimizer.state_dict())
-        self.training = model.policy.training
-        self.n_updates = model._n_updates
-        self.keep = buffer.keep.copy()
-        permutation = buffer._first_permutation
-        self.permutation = None if permutation is None else permutation.copy()
-        self.numpy_rng = np.random.get_state()
-        self.torch_rng = th.get_rng_state()
-        self.logger = model.__dict__.get("_logger")
-
-    def restore(self, model: "InfluencePPO") -> None:
-        buffer = model.rollout_buffer
-        model.policy.load_state_dict(self.policy)
-        model.policy.optimizer.load_state_dict(copy.deepcopy(self.optimizer))
-        model.policy.set_training_mode(self.training)
-        model._n_updates = self.n_updates
-        buffer.keep[...] = self.keep
-        buffer._first_permutation = None if self.permutation is None else self.permutation.copy()
-        np.random.set_state(self.numpy_rng)
-        th.set_rng_state(self.torch_rng)
-        if self.logger is None:
-            model.__dict__.pop("_logger", None)
-        else:
-            model._logger = self.logger
 
 
 def _evaluate(model: "InfluencePPO", eval_env: VecEnv | None, n_eval_episodes: int, seed: int, deterministic: bool) -> float:
@@ -138,8 +118,9 @@ def intervene(
     """
     Retrain the current round from θ(k) once per arm and compare each with the unfiltered retrain.
 
-    Call it while the rollout buffer holds round k and the parameters are θ(k): from a callback's
-    ``_on_rollout_end`` (see :class:`InterventionCallback`). The model is left exactly as it was found.
+    Call it while the rollout buffer holds round k: from :class:`InterventionCallback` (before the update), or
+    after ``learn()`` for the last round (every arm starts from the round's θ(k), which the round keeps). The
+    model is left exactly as it was found.
 
     :param model: An ``InfluencePPO`` model.
     :param arms: Names from :data:`ARMS` (see :func:`drop_mask`), or a mapping ``name -> drop mask`` of
@@ -182,35 +163,36 @@ def intervene(
     if "none" in masks:
         raise ValueError("arms: 'none' is the name of the unfiltered reference, choose another name")
 
-    state = _State(model)
-    before = target_value(model, target)
+    round_ = model.current_round()
     rows = []
-    try:
+    with training_state(model) as now:
+        base_keep = buffer.keep.copy() if now.keep is None else now.keep
+        round_.start_state.restore(model, keep=False)
+        before = target_value(model, target)
         for name, drop in {"none": np.zeros(shape, dtype=bool), **masks}.items():
-            state.restore(model)
-            buffer.keep[...] = state.keep & ~drop
-            model._logger = Logger(folder=None, output_formats=[])
-            model.train()
+            round_.start_state.restore(model, keep=False)
+            buffer.keep[...] = base_keep & ~drop
+            sb3_compat.set_model_logger(model, Logger(folder=None, output_formats=[]))
+            if buffer.keep.any():
+                model.update()
             rows.append(
                 {
                     "arm": name,
-                    "n_dropped": int((state.keep & drop).sum()),
+                    "n_dropped": int((base_keep & drop).sum()),
                     "target_before": before,
                     "target_after": target_value(model, target),
                     "test_return": _evaluate(model, eval_env, int(n_eval_episodes), seed, deterministic),
                 }
             )
-    finally:
-        state.restore(model)
     table = pd.DataFrame(rows)
     table["delta_target"] = table["target_after"] - table.loc[0, "target_after"]
     table["delta_return"] = table["test_return"] - table.loc[0, "test_return"]
-    table["round"] = round_index(model)
+    table["round"] = round_.index
     table["num_timesteps"] = int(model.num_timesteps)
     return table
 
 
-class InterventionCallback(RoundCallback):
+class InterventionCallback(AnalysisCallback):
     """
     Run :func:`intervene` at chosen rounds of an ``InfluencePPO`` training; training itself is unaffected.
 

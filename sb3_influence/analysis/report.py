@@ -10,7 +10,6 @@ The learning curve comes from SB3 ``Monitor`` files (``*monitor.csv``) under ``R
 ``EvalCallback``'s ``evaluations.npz``, else from the episodes completed inside the snapshots' rollouts.
 """
 
-import argparse
 import base64
 import html
 import io
@@ -21,8 +20,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sb3_influence.analysis._io import influence_key, load_all, scalar, snapshot_files, snapshot_metadata, target_names
 from sb3_influence.analysis.formation import _spearman
+from sb3_influence.common.command_line import ArgumentParser, one_line
+from sb3_influence.common.snapshots import Snapshot, as_snapshot, load_all
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -36,7 +36,7 @@ h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 1.6em; border-botto
 img { max-width: 100%; border: 1px solid #eee; }
 table { border-collapse: collapse; font-size: 0.85em; } td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
 th { background: #f3f3f3; } pre { background: #f8f8f8; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
-.note { color: #666; font-size: 0.9em; } .wide { overflow-x: auto; } td { white-space: nowrap; }
+.note { color: #666; font-size: 0.9em; } .wide { overflow-x: auto; max-width: 100%; } td { white-space: nowrap; }
 """
 
 
@@ -52,13 +52,14 @@ def _png(figure: "Figure") -> bytes:
     return buffer.getvalue()
 
 
-def rollout_episode_returns(arrays: dict[str, np.ndarray]) -> np.ndarray:
+def rollout_episode_returns(snapshot: Snapshot | dict[str, np.ndarray]) -> np.ndarray:
     """
     Returns of the episodes that start and end inside one snapshot's rollout.
 
-    :param arrays: The snapshot's arrays (``reward``, ``episode_start``).
+    :param snapshot: The snapshot (needs ``reward`` and ``episode_start``).
     :return: One return per complete episode (possibly empty).
     """
+    arrays = as_snapshot(snapshot).arrays
     rewards = np.asarray(arrays["reward"], dtype=np.float64)
     starts = np.asarray(arrays["episode_start"], dtype=bool)
     returns = []
@@ -69,11 +70,11 @@ def rollout_episode_returns(arrays: dict[str, np.ndarray]) -> np.ndarray:
     return np.asarray(returns)
 
 
-def round_summary(snapshots: list[dict[str, np.ndarray]], target: str | None = None) -> "pd.DataFrame":
+def round_summary(snapshots: list[Snapshot], target: str | None = None) -> "pd.DataFrame":
     """
     One row per snapshot: round, timesteps, records, kept fraction, influence statistics and correlations.
 
-    :param snapshots: Array dicts in round order.
+    :param snapshots: Snapshots in round order.
     :param target: Target name (default ``"return"``, else the only one).
     :return: DataFrame with ``round``, ``num_timesteps``, ``n_records``, ``kept_fraction``, ``negative_fraction``,
         ``influence_mean``, ``influence_std``, ``spearman_advantage``, ``spearman_training_advantage``,
@@ -82,12 +83,13 @@ def round_summary(snapshots: list[dict[str, np.ndarray]], target: str | None = N
     import pandas as pd
 
     rows = []
-    for arrays in snapshots:
-        scores = np.asarray(arrays[influence_key(arrays, target)], dtype=np.float64).reshape(-1)
-        episode_returns = rollout_episode_returns(arrays) if {"reward", "episode_start"} <= set(arrays) else np.array([])
+    for snapshot in map(as_snapshot, snapshots):
+        arrays = snapshot.arrays
+        scores = snapshot.scores(target)
+        episode_returns = rollout_episode_returns(snapshot) if {"reward", "episode_start"} <= set(arrays) else np.array([])
         row = {
-            "round": scalar(arrays, "round"),
-            "num_timesteps": scalar(arrays, "num_timesteps"),
+            "round": snapshot.round,
+            "num_timesteps": snapshot.num_timesteps,
             "n_records": scores.size,
             "kept_fraction": float(np.mean(arrays["keep"])) if "keep" in arrays else float("nan"),
             "negative_fraction": float((scores < 0).mean()),
@@ -96,7 +98,7 @@ def round_summary(snapshots: list[dict[str, np.ndarray]], target: str | None = N
             "rollout_return": float(episode_returns.mean()) if episode_returns.size else float("nan"),
         }
         for name in ("advantage", "training_advantage"):
-            values = np.asarray(arrays[name], dtype=np.float64).reshape(-1) if name in arrays else None
+            values = snapshot.flat(name).astype(np.float64) if name in arrays else None
             row[f"spearman_{name}"] = _spearman(scores, values) if values is not None else float("nan")
         rows.append(row)
     return pd.DataFrame(rows)
@@ -131,7 +133,7 @@ def _learning_curve(run_dir: Path, summary: "pd.DataFrame") -> tuple[np.ndarray,
 
 
 def _figures(
-    snapshots: list[dict[str, np.ndarray]], summary: "pd.DataFrame", target: str | None, run_dir: Path
+    snapshots: list[Snapshot], summary: "pd.DataFrame", target: str | None, run_dir: Path
 ) -> dict[str, tuple[str, bytes, str]]:
     figures: dict[str, tuple[str, bytes, str]] = {}
     rounds = summary["round"].to_numpy()
@@ -140,7 +142,7 @@ def _figures(
     chosen = np.unique(np.linspace(0, len(snapshots) - 1, min(len(snapshots), _MAX_BOXES)).round().astype(int))
     figure = _figure()
     ax = figure.subplots()
-    data = [np.asarray(snapshots[i][influence_key(snapshots[i], target)]).reshape(-1) for i in chosen]
+    data = [snapshots[i].scores(target) for i in chosen]
     ax.boxplot(data, positions=np.arange(len(chosen)), showfliers=False)
     ax.set_xticks(np.arange(len(chosen)), [f"{rounds[i]:g}" for i in chosen], rotation=90 if len(chosen) > 12 else 0)
     ax.axhline(0.0, color="grey", lw=0.8)
@@ -186,10 +188,10 @@ def _figures(
     return figures
 
 
-def _records_table(arrays: dict[str, np.ndarray], target: str | None, top_k: int) -> str:
+def _records_table(snapshot: Snapshot, target: str | None, top_k: int) -> str:
     from sb3_influence.analysis.diagnosis import top_bottom_records
 
-    table = top_bottom_records(arrays, target=target, k=top_k)
+    table = top_bottom_records(snapshot, target=target, k=top_k)
     for column in ("obs", "action"):
         if column in table and table[column].dtype == object:
             table[column] = [
@@ -198,12 +200,27 @@ def _records_table(arrays: dict[str, np.ndarray], target: str | None, top_k: int
     return '<div class="wide">' + table.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0) + "</div>"
 
 
+def _filtering(snapshots: list[Snapshot]) -> str:
+    """One line saying which filters acted on the reported rounds, with their settings."""
+    settings: list[str] = []
+    for snapshot in snapshots:
+        for source in snapshot.metadata.get("filters", []):
+            text = ", ".join(f"{key}={value}" for key, value in source.items()) if isinstance(source, dict) else str(source)
+            if text not in settings:
+                settings.append(text)
+    if not settings:
+        return "none: no filter dropped records in these rounds (plain PPO updates)."
+    return "; ".join(settings) + ". The kept fraction per round is plotted below."
+
+
 def build_report(
     run_dir: str | Path,
     out_dir: str | Path | None = None,
     target: str | None = None,
     top_k: int = 10,
     title: str | None = None,
+    run_id: str | None = None,
+    on_error: str = "raise",
 ) -> Path:
     """
     Write ``report.html`` and its PNGs for the snapshots found under ``run_dir``.
@@ -213,6 +230,10 @@ def build_report(
     :param target: Target whose influence is shown (default ``"return"``, else the only one).
     :param top_k: Records listed per group in the top/bottom table.
     :param title: Page title (default: the run folder's name).
+    :param run_id: The run to report when ``run_dir`` holds several (a unique prefix is enough); a folder of
+        several runs is refused without it.
+    :param on_error: ``"raise"``: a damaged snapshot file raises :class:`~sb3_influence.common.snapshots.SnapshotError`;
+        ``"skip"``: it is left out with a warning naming it.
     :return: Path of the HTML file.
     """
     run_dir = Path(run_dir)
@@ -222,8 +243,8 @@ def build_report(
         )
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    snapshots = load_all(run_dir)
-    target = influence_key(snapshots[-1], target).split("/", 1)[1]
+    snapshots = load_all(run_dir, on_error=on_error, run_id=run_id)
+    target = snapshots[-1].influence_key(target).split("/", 1)[1]
     out = Path(out_dir) if out_dir is not None else (run_dir / "report" if run_dir.is_dir() else run_dir.parent / "report")
     out.mkdir(parents=True, exist_ok=True)
 
@@ -232,25 +253,26 @@ def build_report(
     for name, (_, png, _) in figures.items():
         (out / f"{name}.png").write_bytes(png)
 
-    metadata = snapshot_metadata(snapshots[-1])
+    metadata = snapshots[-1].metadata
     title = title or f"sb3_influence report: {run_dir.resolve().name}"
-    files = snapshot_files(run_dir)
+    files = [Path(snapshot.path) for snapshot in snapshots]
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="note">{len(snapshots)} snapshot(s) from <code>{html.escape(str(run_dir))}</code>, target '
-        f"<b>{html.escape(target)}</b>, targets available: {html.escape(', '.join(target_names(snapshots[-1])))}. "
+        f"<b>{html.escape(target)}</b>, targets available: {html.escape(', '.join(snapshots[-1].targets))}. "
         f"Positive influence helps the target, negative hurts it.</p>",
     ]
+    parts.append(f'<p id="filtering"><b>Filtering:</b> {html.escape(_filtering(snapshots))}</p>')
     for name, (caption, png, note) in figures.items():
         encoded = base64.b64encode(png).decode("ascii")
         parts.append(f'<h2 id="{name}">{html.escape(caption)}</h2>')
         parts.append(f'<img alt="{html.escape(caption)}" src="data:image/png;base64,{encoded}">')
         parts.append(f'<p class="note">{html.escape(note)}</p>')
     last = snapshots[-1]
-    parts.append(f'<h2 id="records">Top and bottom records of the last round (round {scalar(last, "round"):g})</h2>')
+    parts.append(f'<h2 id="records">Top and bottom records of the last round (round {last.round})</h2>')
     parts.append(_records_table(last, target, int(top_k)))
     parts.append('<h2 id="summary">Per-round summary</h2>')
     parts.append('<div class="wide">' + summary.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0) + "</div>")
@@ -271,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     :param argv: Command-line arguments (default: ``sys.argv[2:]`` through ``sb3_influence.cli``).
     :return: Exit status.
     """
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="sb3-influence report",
         description="Build a self-contained HTML report (and PNGs) from the attribution snapshots of a run.",
     )
@@ -280,10 +302,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=None, help="target name to show (default: 'return', else the only one)")
     parser.add_argument("--top", type=int, default=10, help="records per group in the top/bottom table (default: 10)")
     parser.add_argument("--title", default=None, help="page title")
+    parser.add_argument("--run-id", default=None, help="the run to report when RUN_DIR holds several (a unique prefix)")
+    parser.add_argument(
+        "--skip-damaged", action="store_true", help="leave damaged snapshot files out (with a warning) instead of stopping"
+    )
     args = parser.parse_args(argv)
     try:
-        path = build_report(args.run_dir, out_dir=args.out, target=args.target, top_k=args.top, title=args.title)
-    except ValueError as error:
-        parser.error(str(error))
+        path = build_report(
+            args.run_dir,
+            out_dir=args.out,
+            target=args.target,
+            top_k=args.top,
+            title=args.title,
+            run_id=args.run_id,
+            on_error="skip" if args.skip_damaged else "raise",
+        )
+    except (ValueError, OSError) as error:
+        parser.error(one_line(error))
     print(f"report written to {path}")
     return 0

@@ -7,6 +7,8 @@ import numpy as np
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 
+from sb3_influence.common import sb3_compat
+
 _FLAT_FIELDS = ("actions", "values", "log_probs", "advantages", "returns")
 
 
@@ -14,16 +16,18 @@ class InfluenceRolloutBufferMixin:
     """
     What ``InfluenceRolloutBuffer`` and ``InfluenceDictRolloutBuffer`` add to SB3's rollout buffers.
 
-    Every entry ``(step, env)`` of the buffer is a *record* (METHOD §1). Its id follows SB3's own flattening
-    (``swap_and_flatten``): ``record_id = env * n_steps + step``.
+    Every entry ``(step, env)`` of the buffer is a *record* (one transition with its advantage, the unit the
+    paper attributes to). Its id follows SB3's own flattening (``swap_and_flatten``): ``record_id = env * n_steps
+    + step``. Every flat per-record array of this package (scores, snapshot columns, DataFrame rows) uses that
+    order; :meth:`to_records` and :meth:`to_flat` convert between it and the buffer's ``(n_steps, n_envs)`` layout.
 
-    - ``keep``: boolean array of shape ``(n_steps, n_envs)``, all ``True`` after each rollout. ``get()`` yields
-      minibatches made of the kept records only, so a dropped record has no effect on the update and fewer
-      records mean fewer optimiser steps.
+    - ``keep``: boolean array of shape ``(n_steps, n_envs)``, all ``True`` after each rollout. The update walks
+      minibatches of the kept records only (:meth:`kept_minibatches`), so a dropped record has no effect on it
+      and fewer records mean fewer optimiser steps.
     - The permutation of the first epoch is drawn once per rollout (from numpy's global RNG, exactly as
-      ``RolloutBuffer.get`` draws it) and reused by the first call of ``get()``. Influence scoring uses it to
-      normalise advantages with the statistics of the minibatch each record will sit in (METHOD §2); drawing
-      it early consumes the RNG in the same order, so training stays bit-identical to ``PPO``.
+      ``RolloutBuffer.get`` draws it) and kept for the whole round: scoring normalises advantages with the
+      statistics of the minibatch each record will sit in, and the update's first epoch uses the same order.
+    - ``rollout_id`` changes with every rollout, so nothing computed for one rollout is mistaken for another's.
     """
 
     buffer_size: int
@@ -32,14 +36,12 @@ class InfluenceRolloutBufferMixin:
     full: bool
     keep: np.ndarray
     _first_permutation: np.ndarray | None
-    rollout_index: int
+    rollout_id: int
 
     def _reset_records(self) -> None:
         self.keep = np.ones((self.buffer_size, self.n_envs), dtype=bool)
         self._first_permutation = None
-        self.current_minibatch: np.ndarray | None = None
-        # Counts rollouts, so that cached influence scores never outlive the records they score
-        self.rollout_index = getattr(self, "rollout_index", -1) + 1
+        self.rollout_id = getattr(self, "rollout_id", -1) + 1
 
     @property
     def n_records(self) -> int:
@@ -66,20 +68,23 @@ class InfluenceRolloutBufferMixin:
     @property
     def flat_keep(self) -> np.ndarray:
         """The keep mask indexed by record id, shape ``(n_steps * n_envs,)``."""
-        keep = np.asarray(self.keep, dtype=bool)
-        if keep.shape != (self.buffer_size, self.n_envs):
+        keep = np.asarray(self.keep)
+        if keep.shape != (self.buffer_size, self.n_envs) or keep.dtype != bool:
             raise ValueError(
-                f"rollout_buffer.keep must have shape (n_steps, n_envs) = {(self.buffer_size, self.n_envs)}, "
-                f"got {keep.shape}. Modify it in place (e.g. `buffer.keep[step, env] = False`) instead of replacing it."
+                f"rollout_buffer.keep must be a boolean array of shape (n_steps, n_envs) = "
+                f"{(self.buffer_size, self.n_envs)}, got {keep.dtype} {keep.shape}. Modify it in place "
+                "(e.g. `buffer.keep[step, env] = False`) instead of replacing it."
             )
         return self.to_flat(keep)
 
     def first_epoch_permutation(self) -> np.ndarray:
         """
-        The record order of the first training epoch, drawn once per rollout and reused by ``get()``.
+        The record order of the first training epoch, drawn once per rollout and kept until the next one.
 
-        :return: A permutation of all record ids (dropped records included: ``get()`` skips them).
+        :return: A permutation of all record ids (dropped records included: the update skips them).
         """
+        if not self.full:
+            raise RuntimeError("The rollout buffer is not full yet: collect a rollout first")
         if self._first_permutation is None:
             self._first_permutation = np.random.permutation(self.n_records)
         return self._first_permutation
@@ -100,22 +105,35 @@ class InfluenceRolloutBufferMixin:
         """Flatten the stored arrays to record-id order, as ``RolloutBuffer.get`` does on its first call."""
         raise NotImplementedError
 
-    def _kept_minibatches(self, batch_size: int | None) -> Generator[np.ndarray, None, None]:
+    def kept_minibatches(self, order: np.ndarray, batch_size: int | None) -> list[np.ndarray]:
+        """
+        Split the kept records, in the given order, into minibatches (what one epoch of the update walks).
+
+        With every record kept this is exactly ``RolloutBuffer.get``'s split. When records were dropped and the
+        last minibatch would hold a single record, that record joins the previous minibatch instead: one
+        record cannot be normalised (PPO skips advantage normalisation for it) and breaks batch norm.
+
+        :param order: A permutation of all record ids (dropped ones are skipped).
+        :param batch_size: Records per minibatch (``None``: one minibatch).
+        :return: The minibatches as arrays of flat record ids.
+        """
         assert self.full, "The rollout buffer is not full yet: collect a rollout first"
-        if self._first_permutation is not None:
-            indices, self._first_permutation = self._first_permutation, None
-        else:
-            indices = np.random.permutation(self.n_records)
         self._prepare_flat()
         keep = self.flat_keep
-        if not keep.all():
-            indices = indices[keep[indices]]
+        dropped = not keep.all()
+        if dropped:
+            order = order[keep[order]]
         if batch_size is None:
             batch_size = self.n_records
-        for start_idx in range(0, len(indices), batch_size):
-            # The record ids of the minibatch being trained on (multi-checkpoint influence reads it)
-            self.current_minibatch = indices[start_idx : start_idx + batch_size]
-            yield self.current_minibatch
+        batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+        if dropped and len(batches) > 1 and len(batches[-1]) == 1:
+            batches[-2:] = [np.concatenate(batches[-2:])]
+        return batches
+
+    def samples(self, ids: np.ndarray) -> Any:
+        """The samples tuple (as ``get()`` yields it) of the records ``ids``."""
+        self._prepare_flat()
+        return sb3_compat.buffer_samples(self, ids)  # type: ignore[arg-type]
 
     def flat_field(self, name: str) -> Any:
         """
@@ -152,8 +170,9 @@ class InfluenceRolloutBuffer(InfluenceRolloutBufferMixin, RolloutBuffer):
             self.generator_ready = True
 
     def get(self, batch_size: int | None = None) -> Generator[RolloutBufferSamples, None, None]:
-        for batch_inds in self._kept_minibatches(batch_size):
-            yield self._get_samples(batch_inds)
+        """Minibatches of the kept records, in a fresh random order (the update itself uses ``kept_minibatches``)."""
+        for batch_inds in self.kept_minibatches(np.random.permutation(self.n_records), batch_size):
+            yield self.samples(batch_inds)
 
 
 class InfluenceDictRolloutBuffer(InfluenceRolloutBufferMixin, DictRolloutBuffer):
@@ -175,5 +194,6 @@ class InfluenceDictRolloutBuffer(InfluenceRolloutBufferMixin, DictRolloutBuffer)
             self.generator_ready = True
 
     def get(self, batch_size: int | None = None) -> Generator[DictRolloutBufferSamples, None, None]:  # type: ignore[override]
-        for batch_inds in self._kept_minibatches(batch_size):
-            yield self._get_samples(batch_inds)
+        """Minibatches of the kept records, in a fresh random order (the update itself uses ``kept_minibatches``)."""
+        for batch_inds in self.kept_minibatches(np.random.permutation(self.n_records), batch_size):
+            yield self.samples(batch_inds)

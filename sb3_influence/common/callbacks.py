@@ -1,123 +1,120 @@
 """
-Callbacks that score every round's records (``AttributionCallback``) and filter them (``IIFCallback``).
+Callbacks that take part in the influence round: ``IIFCallback`` filters, ``AttributionCallback`` observes.
 
-Both act in ``_on_rollout_end``: after GAE, before ``train()``. Whatever order they are given in, one round goes:
-
-1. every attached callback computes its scores, on the unfiltered buffer (``compute_influence(cache=True)``, so a
-   target shared by several callbacks is scored once);
-2. every ``IIFCallback`` clears the keep mask of the records its rule drops;
-3. every ``AttributionCallback`` logs its statistics and writes its snapshot, whose ``keep`` is the final mask.
-
-The first of the attached callbacks to run does steps 1 and 2 for all of them.
+They are thin: the model runs the round (see :mod:`sb3_influence.common.round`). After each rollout it asks every
+participant of the current ``learn()`` call which scores it needs, computes each distinct one once at θ(k), lets
+the filters drop records in the order they were given, then hands the round to the observers, whose snapshots and
+logs therefore see the final keep mask. Callbacks keep no state shared with other callbacks or other models.
 """
 
 import os
-import weakref
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 from stable_baselines3.common.callbacks import BaseCallback
 
-from sb3_influence.common.filters import DROP_RULES, get_drop_rule
-from sb3_influence.common.snapshots import record_arrays, round_index, save_snapshot, snapshot_metadata, snapshot_path
-from sb3_influence.common.targets import Target, as_target
-
-if TYPE_CHECKING:
-    from sb3_influence.influence_ppo import InfluencePPO
+from sb3_influence.common.filters import DropRule, resolve_drop_rule
+from sb3_influence.common.round import InfluenceModel, InfluenceRound, ScoreRequest
+from sb3_influence.common.snapshots import (
+    claim_save_dir,
+    record_arrays,
+    remove_orphaned_temp_files,
+    save_snapshot,
+    snapshot_metadata,
+    snapshot_path,
+)
+from sb3_influence.common.targets import Target, as_target, check_target
 
 # Only for logs: rich types (histograms) go to TensorBoard
 _TENSORBOARD_ONLY = ("stdout", "log", "json", "csv")
 
-# model -> the influence callbacks training it right now (registered at training start, removed at training end)
-_ACTIVE: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[_InfluenceCallback]]" = weakref.WeakKeyDictionary()
 
+class RoundCallback(BaseCallback):
+    """
+    Base class of the callbacks that take part in an influence algorithm's round (a
+    :class:`~sb3_influence.common.round.RoundParticipant`). Subclasses set ``round_role`` and implement
+    :meth:`score_requests` and :meth:`on_round`. Attaching one to a model that has no round (plain ``PPO``)
+    raises at ``_init_callback``.
+    """
 
-class _InfluenceCallback(BaseCallback):
-    """What both callbacks share: the type check, the per-model registry and the once-per-round steps."""
-
-    model: "InfluencePPO"
+    round_role: Literal["filter", "observer"] = "observer"
+    model: Any
 
     def _init_callback(self) -> None:
-        from sb3_influence.influence_ppo import InfluencePPO
-
-        if not isinstance(self.model, InfluencePPO):
+        if not isinstance(self.model, InfluenceModel):
             raise TypeError(
-                f"{type(self).__name__} needs an InfluencePPO model (it reads influence scores and the keep mask of "
-                f"its rollout buffer), got {type(self.model).__name__}. Use sb3_influence.InfluencePPO instead of "
+                f"{type(self).__name__} needs an influence algorithm (it reads influence scores and the keep mask "
+                f"of its rollout buffer), got {type(self.model).__name__}. Use sb3_influence.InfluencePPO instead of "
                 f"{type(self.model).__name__}: it takes the same arguments as PPO."
             )
-        self._scored_round: tuple[int, int] | None = None
-
-    def _on_training_start(self) -> None:
-        _ACTIVE.setdefault(self.model, weakref.WeakSet()).add(self)
-
-    def _on_training_end(self) -> None:
-        # Safe to call twice (rl-zoo calls on_training_end again after learn())
-        active = _ACTIVE.get(self.model)
-        if active is not None:
-            active.discard(self)
 
     def _on_step(self) -> bool:
         return True
 
-    def _round_key(self) -> tuple[int, int]:
-        buffer = self.model.rollout_buffer
-        return (id(buffer), buffer.rollout_index)
+    def score_requests(self, round_: InfluenceRound) -> Sequence[ScoreRequest]:
+        """
+        The scores this callback needs in ``round_`` (computed once by the model, shared by all participants).
 
-    def _prepare_round(self) -> None:
-        """Steps 1 and 2 of the round, for every influence callback attached to this model (idempotent)."""
-        callbacks = sorted(_ACTIVE.get(self.model, ()), key=id)
-        if self not in callbacks:
-            callbacks.append(self)
-        for callback in callbacks:
-            callback._score_once()
-        for callback in callbacks:
-            if isinstance(callback, IIFCallback):
-                callback._filter_once()
+        :param round_: The round.
+        :return: The requests (empty: none).
+        """
+        return ()
 
-    def _score_once(self) -> None:
-        key = self._round_key()
-        if self._scored_round != key:
-            self._scored_round = key
-            self._score()
+    def on_round(self, round_: InfluenceRound) -> None:
+        """
+        Act on the round (filters: ``model.drop_records``; observers: log, save, analyse).
 
-    def _score(self) -> None:
+        :param round_: The round, with its scores.
+        """
         raise NotImplementedError
 
+    def after_update(self, round_: InfluenceRound) -> None:
+        """
+        Called after the round's update, when in-run scores are ready (nothing by default).
 
-class IIFCallback(_InfluenceCallback):
+        :param round_: The round.
+        """
+
+
+class IIFCallback(RoundCallback):
     """
-    Iterative influence-based filtering (IIF, METHOD §4): every round, score the records with a target at the
-    current parameters and drop the ones the rule selects before the PPO update. Needs an ``InfluencePPO``.
+    Iterative influence-based filtering (IIF, the paper's Sec. 5): every round, score the records against a
+    target at θ(k) and drop the ones the rule selects before the PPO update. Needs an ``InfluencePPO``.
 
     Rules (see :mod:`sb3_influence.common.filters`), with ``n`` records of which ``n_neg`` have a negative score:
 
     - ``"neg-bottom"`` (the paper's): drop the ``floor(fraction · n_neg)`` most negative records;
     - ``"neg"``: drop every negative record (``fraction`` is ignored);
-    - ``"bottom"``: drop the ``floor(fraction · n)`` lowest-scored records;
+    - ``"bottom"`` / ``"top"``: drop the ``floor(fraction · n)`` lowest / highest-scored records;
     - ``"random"``: baseline, drop ``floor(fraction · n_neg)`` records drawn uniformly among all;
-    - ``"neg-random"``: baseline, drop ``floor(fraction · n_neg)`` records drawn uniformly among the negative ones.
+    - ``"neg-random"``: baseline, drop ``floor(fraction · n_neg)`` records drawn uniformly among the negative ones;
+    - ``"uniform"``: baseline, drop ``floor(fraction · n)`` records drawn uniformly among all;
+    - or any callable ``rule(scores, fraction, rng) -> drop mask`` of your own (see ``DropRule``).
 
     The random rules draw from a generator seeded with the model's seed and the round index, never from numpy's
     global RNG (which PPO uses for its minibatches), so random-drop runs are reproducible. With ``fraction=0``
     (any rule but ``"neg"``) nothing is dropped and training is bit-identical to ``PPO``.
-    Logs ``iif/kept_fraction``, ``iif/n_dropped`` and ``iif/n_negative``.
+    Logs ``iif/kept_fraction``, ``iif/n_dropped``, ``iif/n_negative`` and ``iif/round``.
 
     :param fraction: The fraction ``p`` in ``[0, 1]`` (0.5 FrozenLake/Acrobot, 0.125 MiniGrid/LunarLander,
         0.0625 BipedalWalker in the paper).
     :param target: What the records are scored against: ``"return"`` (the paper's) or a ``Target``.
-    :param rule: The drop rule, one of ``"neg-bottom"``, ``"neg"``, ``"bottom"``, ``"random"``, ``"neg-random"``.
-    :param batch_size: Records per scoring chunk (default: the model's ``influence_batch_size``).
+    :param rule: The drop rule: a name of :data:`~sb3_influence.common.filters.DROP_RULES` or a ``DropRule``.
+    :param optimizer_aware: Rank records by the optimizer-aware score instead of the paper's single-checkpoint SGD
+        proxy: ``True`` (in-run score, by replaying the update before the real one: about twice the update's cost)
+        or ``"unrolled"`` (through the whole update, the most faithful under Adam: about 5x).
     :param verbose: Verbosity level: 0 no output, 1 one line per round.
     """
+
+    round_role = "filter"
 
     def __init__(
         self,
         fraction: float = 0.125,
         target: str | Target = "return",
-        rule: str = "neg-bottom",
-        batch_size: int | None = None,
+        rule: str | DropRule = "neg-bottom",
+        optimizer_aware: bool | str = False,
         verbose: int = 0,
     ):
         super().__init__(verbose)
@@ -127,76 +124,81 @@ class IIFCallback(_InfluenceCallback):
             raise ValueError(
                 f"IIFCallback: fraction must be in [0, 1] (the share of negative records to drop), got {fraction}"
             )
-        if not isinstance(rule, str) or rule not in DROP_RULES:
-            raise ValueError(f"IIFCallback: unknown rule {rule!r}, use one of {sorted(DROP_RULES)}")
-        _check_batch_size(batch_size, "IIFCallback")
         self.fraction = float(fraction)
         self.target = as_target(target)
         self.rule = rule
-        self.batch_size = batch_size
-        self._drop_rule = get_drop_rule(rule)
-        self._filtered_round: tuple[int, int] | None = None
-        self._scores: np.ndarray | None = None
+        self._drop_rule = resolve_drop_rule(rule, owner="IIFCallback")
+        if optimizer_aware not in (False, True, "unrolled"):
+            raise ValueError(f"IIFCallback: optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}")
+        self.optimizer_aware = optimizer_aware
+        self.request = ScoreRequest(self.target, "multi" if optimizer_aware else "single", optimizer_aware=optimizer_aware)
         self.last_drop: np.ndarray | None = None
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What this filter does, as recorded in snapshots: fraction, rule and target."""
+        rule = self.rule if isinstance(self.rule, str) else getattr(self.rule, "__name__", repr(self.rule))
+        return {"fraction": self.fraction, "rule": rule, "target": self.target.name, "optimizer_aware": self.optimizer_aware}
 
     def _init_callback(self) -> None:
         super()._init_callback()
-        self._filtered_round = None
         seed = self.model.seed
         # Without a model seed the random baselines are still independent of numpy's global RNG
         if seed is None:
             seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
         self._seed_entropy = int(seed) % 2**63
+        check_target(self.target, self.model.observation_space, self.model.action_space)
 
-    def round_rng(self) -> np.random.Generator:
-        """The generator of the random rules for the current round (model seed + round index)."""
-        return np.random.default_rng([self._seed_entropy, round_index(self.model)])
+    def round_rng(self, round_: InfluenceRound) -> np.random.Generator:
+        """The generator of the random rules for a round (model seed + round index)."""
+        return np.random.default_rng([self._seed_entropy, round_.index])
 
-    def _score(self) -> None:
-        self._scores = self.model.compute_influence(self.target, batch_size=self.batch_size, cache=True)
+    def score_requests(self, round_: InfluenceRound) -> Sequence[ScoreRequest]:
+        return [self.request]
 
-    def _filter_once(self) -> None:
-        key = self._round_key()
-        if self._filtered_round == key:
-            return
-        self._score_once()
-        self._filtered_round = key
+    def on_round(self, round_: InfluenceRound) -> None:
         buffer = self.model.rollout_buffer
-        assert self._scores is not None
-        drop_flat = self._drop_rule(buffer.to_flat(self._scores), self.fraction, self.round_rng())
-        drop = buffer.to_records(drop_flat)
-        buffer.keep[drop] = False
+        scores = round_.score(self.request)
+        drop = buffer.to_records(self._drop_rule(buffer.to_flat(scores), self.fraction, self.round_rng(round_)))
+        n_dropped = self.model.drop_records(drop, source={"filter": type(self).__name__, **self.settings})
         self.last_drop = drop
-        n_dropped = int(drop.sum())
         kept_fraction = float(np.mean(buffer.keep))
         self.logger.record("iif/kept_fraction", kept_fraction)
         self.logger.record("iif/n_dropped", n_dropped)
-        self.logger.record("iif/n_negative", int(np.count_nonzero(self._scores < 0)))
+        self.logger.record("iif/n_negative", int(np.count_nonzero(scores < 0)))
+        self.logger.record("iif/round", round_.index)
         if self.verbose >= 1:
-            print(f"IIF round {round_index(self.model)}: dropped {n_dropped} records ({self.rule}), kept {kept_fraction:.3f}")
-
-    def _on_rollout_end(self) -> None:
-        self._prepare_round()
+            print(f"IIF round {round_.index}: dropped {n_dropped} records ({self.settings['rule']}), kept {kept_fraction:.3f}")
 
 
-class AttributionCallback(_InfluenceCallback):
+class AttributionCallback(RoundCallback):
     """
     Score every record of a round against one or more targets, log statistics and (optionally) write one
     attribution snapshot per round (see :mod:`sb3_influence.common.snapshots`). Needs an ``InfluencePPO``.
 
     Logs, per target: ``influence/<target>/mean``, ``/std``, ``/min``, ``/max``, ``/frac_negative``,
     ``/corr_advantage`` (Pearson correlation with the raw advantage) and ``/hist`` (a histogram of the scores,
-    TensorBoard only). Snapshots are named ``<save_dir>/<name_prefix>_<num_timesteps>_steps.npz`` and written
-    atomically; their ``keep`` is the mask after every ``IIFCallback`` of the same run has filtered the round.
+    TensorBoard only), and ``influence/round``. Snapshots are named
+    ``<save_dir>/<name_prefix>_round<round, 6 digits>_<num_timesteps>_steps.npz`` (so ``ls`` lists them in round
+    order) and written atomically; their ``keep`` is the mask after every filter of the round acted, and their
+    metadata records each filter's settings.
 
     :param targets: The targets: ``"return"`` and/or ``Target`` objects with distinct names.
     :param save_dir: Folder for the snapshots (created if needed); ``None``: log only.
     :param every: Score every ``every`` rounds (rounds 0, every, 2·every, ...).
     :param name_prefix: File name prefix of the snapshots.
-    :param batch_size: Records per scoring chunk (default: the model's ``influence_batch_size``).
     :param log_histogram: Log a histogram of the scores to TensorBoard.
+    :param optimizer_aware: ``True``: score with the optimizer-aware in-run influence, computed during the round's
+        real update from its own forward and backward passes (no replay); logs and the snapshot then come after the
+        update. ``"unrolled"``: the hypergradient through the whole update (by replay, before the update).
     :param verbose: Verbosity level: 0 no output, 1 one line per snapshot.
+    :param overwrite: When ``save_dir`` already holds snapshots of another run (another ``model.run_id``, or this
+        run with another ``n_envs``, ``n_steps`` or ``name_prefix``), delete those snapshot files instead of
+        raising. Snapshots of the same run are never overwritten without it: a resumed model continues its round
+        numbering after them.
     """
+
+    round_role = "observer"
 
     def __init__(
         self,
@@ -204,11 +206,17 @@ class AttributionCallback(_InfluenceCallback):
         save_dir: str | os.PathLike | None = None,
         every: int = 1,
         name_prefix: str = "snapshot",
-        batch_size: int | None = None,
         log_histogram: bool = True,
+        optimizer_aware: bool | str = False,
         verbose: int = 0,
+        overwrite: bool = False,
     ):
         super().__init__(verbose)
+        if optimizer_aware not in (False, True, "unrolled"):
+            raise ValueError(
+                f"AttributionCallback: optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}"
+            )
+        self.optimizer_aware = optimizer_aware
         if isinstance(targets, (str, Target)):
             targets = [targets]
         self.targets = [as_target(target) for target in targets]
@@ -225,32 +233,60 @@ class AttributionCallback(_InfluenceCallback):
             raise TypeError(f"AttributionCallback: save_dir must be a folder path or None, got {type(save_dir).__name__}")
         if not isinstance(name_prefix, str) or not name_prefix or os.sep in name_prefix:
             raise ValueError(f"AttributionCallback: name_prefix must be a non-empty file name prefix, got {name_prefix!r}")
-        _check_batch_size(batch_size, "AttributionCallback")
-        self.save_dir = os.fspath(save_dir) if save_dir is not None else None
+        if not isinstance(overwrite, bool):
+            raise TypeError(f"AttributionCallback: overwrite must be True or False, got {overwrite!r}")
+        self.save_dir = _check_save_dir(os.fspath(save_dir)) if save_dir is not None else None
+        self.overwrite = overwrite
+        self._written: dict[int, str] = {}
         self.every = int(every)
         self.name_prefix = name_prefix
-        self.batch_size = batch_size
         self.log_histogram = log_histogram
         self.scores: dict[str, np.ndarray] = {}
         self.last_path: str | None = None
 
     def _init_callback(self) -> None:
         super()._init_callback()
-        if self.save_dir is not None:
-            os.makedirs(self.save_dir, exist_ok=True)
-
-    def _due(self) -> bool:
-        return round_index(self.model) % self.every == 0
-
-    def _score(self) -> None:
-        self.scores = {}
-        if not self._due():
-            return
         for target in self.targets:
-            self.scores[target.name] = self.model.compute_influence(target, batch_size=self.batch_size, cache=True)
+            check_target(target, self.model.observation_space, self.model.action_space)
+        if self.save_dir is not None:
+            try:
+                os.makedirs(self.save_dir, exist_ok=True)
+            except OSError as error:
+                raise OSError(
+                    error.errno,
+                    f"AttributionCallback: cannot create save_dir {self.save_dir!r} ({error.strerror}): "
+                    "give a folder you can write to",
+                ) from error
+            remove_orphaned_temp_files(self.save_dir)
+            self._written = claim_save_dir(self.save_dir, self.model.run_id, self._layout(), overwrite=self.overwrite)
+            # Rounds this model has not reached yet were written by another branch of the run (an older save resumed)
+            later = sorted(index for index in self._written if index >= self.model.n_rounds)
+            if later and not self.overwrite:
+                raise ValueError(
+                    f"AttributionCallback: save_dir {self.save_dir!r} already holds round(s) {later} of this run, which "
+                    f"this model has not reached (n_rounds={self.model.n_rounds}): it was loaded from a save older than "
+                    "those snapshots, so the two trainings would mix. Give it a new save_dir, or pass overwrite=True "
+                    "to delete those rounds"
+                )
+            for index in later:
+                os.remove(self._written.pop(index))
 
-    def _log(self) -> None:
+    def _layout(self) -> dict[str, Any]:
+        """What makes this writer's snapshots one run with the folder's: the buffer's layout and the name prefix."""
+        return {"n_envs": int(self.model.n_envs), "n_steps": int(self.model.n_steps), "name_prefix": self.name_prefix}
+
+    def score_requests(self, round_: InfluenceRound) -> Sequence[ScoreRequest]:
+        if round_.index % self.every != 0:
+            return ()
+        if self.optimizer_aware is True:
+            return [ScoreRequest(target, "multi", optimizer_aware=True, in_run=True) for target in self.targets]
+        if self.optimizer_aware == "unrolled":
+            return [ScoreRequest(target, "multi", optimizer_aware="unrolled") for target in self.targets]
+        return [ScoreRequest(target) for target in self.targets]
+
+    def _log(self, round_: InfluenceRound) -> None:
         advantages = self.model.rollout_buffer.to_records(self.model.rollout_buffer.flat_field("advantages"))
+        self.logger.record("influence/round", round_.index)
         for name, scores in self.scores.items():
             prefix = f"influence/{name}"
             self.logger.record(f"{prefix}/mean", float(scores.mean()))
@@ -262,21 +298,63 @@ class AttributionCallback(_InfluenceCallback):
             if self.log_histogram:
                 self.logger.record(f"{prefix}/hist", scores.ravel().astype(np.float32), exclude=_TENSORBOARD_ONLY)
 
-    def _on_rollout_end(self) -> None:
-        self._prepare_round()
+    def on_round(self, round_: InfluenceRound) -> None:
+        if self.optimizer_aware is not True:
+            self._report(round_)
+
+    def after_update(self, round_: InfluenceRound) -> None:
+        if self.optimizer_aware is True:
+            # In-run scores exist only once the update ran
+            self._report(round_)
+
+    def _report(self, round_: InfluenceRound) -> None:
+        requests = self.score_requests(round_)
+        self.scores = {request.target.name: round_.score(request) for request in requests}
         if not self.scores:
             return
-        self._log()
+        self._log(round_)
         if self.save_dir is None:
             return
-        arrays = record_arrays(self.model)
+        arrays = record_arrays(self.model, round_)
         for name, scores in self.scores.items():
             arrays[f"influence/{name}"] = scores
-        path = snapshot_path(self.save_dir, self.name_prefix, self.model.num_timesteps)
-        save_snapshot(path, arrays, snapshot_metadata(self.model, list(self.scores)))
+        path = snapshot_path(self.save_dir, self.name_prefix, round_.index, self.model.num_timesteps)
+        earlier = self._written.get(round_.index)
+        if earlier is not None and os.path.exists(earlier):
+            if not self.overwrite:
+                raise ValueError(
+                    f"AttributionCallback: save_dir already holds round {round_.index} of this run ({earlier}): this "
+                    "model was loaded from a save older than the snapshots there, so the two trainings would mix. Give "
+                    "it a new save_dir, or pass overwrite=True to replace the later rounds"
+                )
+            os.remove(earlier)
+        filters = [source for source, _ in round_.drops]
+        extra = {"filters": filters, "name_prefix": self.name_prefix}
+        save_snapshot(path, arrays, snapshot_metadata(self.model, list(self.scores), extra=extra))
+        self._written[round_.index] = path
         self.last_path = path
         if self.verbose >= 1:
             print(f"Saving attribution snapshot to {path}")
+
+
+def _check_save_dir(save_dir: str) -> str:
+    """A folder that exists, or that can be created: name the problem now rather than at the first snapshot."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ValueError(f"AttributionCallback: save_dir {save_dir!r} is a file, not a folder: give a folder path")
+    parent = os.path.abspath(save_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"AttributionCallback: save_dir {save_dir!r} cannot be created: {parent!r} is a file, not a folder. Give "
+            "another folder path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"AttributionCallback: save_dir {save_dir!r} is not writable ({parent!r} denies writing): give a folder "
+            "you can write to"
+        )
+    return save_dir
 
 
 def _pearson(x: np.ndarray, y: np.ndarray) -> float:
@@ -285,10 +363,3 @@ def _pearson(x: np.ndarray, y: np.ndarray) -> float:
     y = y - y.mean()
     denominator = float(np.sqrt((x * x).sum() * (y * y).sum()))
     return float((x * y).sum() / denominator) if denominator > 0 else float("nan")
-
-
-def _check_batch_size(batch_size: Any, owner: str) -> None:
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1
-    ):
-        raise ValueError(f"{owner}: batch_size must be a positive int or None (records per scoring chunk), got {batch_size!r}")

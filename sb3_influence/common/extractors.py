@@ -8,7 +8,7 @@ from torch import nn
 
 class MiniGridCNN(BaseFeaturesExtractor):
     """
-    The CNN of the paper's MiniGrid experiments (METHOD §4), for ``ImgObsWrapper`` observations (7x7x3,
+    The CNN of the paper's MiniGrid experiments (Sec. 5 and its appendix), for ``ImgObsWrapper`` observations (7x7x3,
     transposed to channels-first by SB3): Conv(3→16, 3x3) → ReLU → Conv(16→32, 3x3) → ReLU → Flatten (288)
     → Linear(288→``features_dim``) → ReLU.
 

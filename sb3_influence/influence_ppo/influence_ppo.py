@@ -1,36 +1,35 @@
-import copy
-import warnings
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import Any, ClassVar
 
 import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3 import PPO
-from stable_baselines3.common.base_class import maybe_make_env
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.policies import ActorCriticCnnPolicy, ActorCriticPolicy, BasePolicy, MultiInputActorCriticPolicy
-from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
+from stable_baselines3.common.type_aliases import GymEnv, Schedule
+from stable_baselines3.common.utils import explained_variance
+from torch.nn import functional as F
 
-from sb3_influence.common.buffers import InfluenceDictRolloutBuffer, InfluenceRolloutBuffer, InfluenceRolloutBufferMixin
-from sb3_influence.common.influence import INFLUENCE_METHODS, InfluenceEngine
-from sb3_influence.common.targets import Target, as_target
-
-SelfInfluencePPO = TypeVar("SelfInfluencePPO", bound="InfluencePPO")
-
-_SUPPORTED_ACTION_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
-_SUPPORTED_OBSERVATION_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+from sb3_influence.common import sb3_compat
+from sb3_influence.common.algorithm import InfluenceAlgorithm
+from sb3_influence.common.buffers import InfluenceDictRolloutBuffer, InfluenceRolloutBuffer
+from sb3_influence.common.round import CapturingStepHook, StepHook, StepInfo
+from sb3_influence.common.scoring import LayerScorer
 
 
-class InfluencePPO(PPO):
+class InfluencePPO(InfluenceAlgorithm, PPO):
     """
     PPO whose rollout records can be scored by their influence on a target and dropped before the update
     (Hu et al., "A Snapshot of Influence", NeurIPS 2025, arXiv 2505.19281).
 
     A drop-in replacement for ``PPO``: with no record dropped it trains bit-identically to ``PPO`` with the
-    same seed. Its rollout buffer carries a keep mask ``rollout_buffer.keep`` of shape ``(n_steps, n_envs)``;
-    ``train()`` only sees the kept records (fewer records, fewer optimiser steps). ``compute_influence`` scores
-    every record of the current buffer at the current parameters (METHOD §2); ``IIFCallback`` and
-    ``AttributionCallback`` build on both.
+    same seed. It owns its update loop (:meth:`update`, a line-by-line twin of ``PPO.train`` that walks only the
+    kept records and calls per-optimiser-step hooks) and makes each round explicit
+    (:class:`~sb3_influence.common.round.InfluenceRound`): after every rollout, the scores the round's
+    participants (``IIFCallback``, ``AttributionCallback``...) request are computed once at θ(k), filters clear
+    records from ``rollout_buffer.keep`` in the order given, observers read the result, then the update runs.
 
     All of ``PPO``'s parameters are accepted unchanged (see ``stable_baselines3.PPO``), plus:
 
@@ -39,6 +38,11 @@ class InfluencePPO(PPO):
     :param influence_method: ``"ghost"``: ghost dot products for Linear/Conv2d layers and forward-mode
         differentiation for every other parameter (``log_std``...); ``"jvp"``: forward-mode for all parameters.
         Both are exact; ``"ghost"`` is usually faster.
+    :param influence_layer_scorers: Per-layer ghost scorers
+        (:class:`~sb3_influence.common.scoring.layers.LayerScorer`), tried in order; ``None``: Linear and
+        convolutions. Parameters of other layers are scored exactly by forward mode.
+    :ivar n_rounds: Rounds opened so far; the next round's index. Saved with the model and never reset, so
+        snapshots of a resumed run continue the numbering whatever ``reset_num_timesteps`` is.
     """
 
     policy_aliases: ClassVar[dict[str, type[BasePolicy]]] = {
@@ -77,28 +81,12 @@ class InfluencePPO(PPO):
         device: th.device | str = "auto",
         influence_batch_size: int = 4096,
         influence_method: str = "ghost",
+        influence_layer_scorers: Sequence[LayerScorer] | None = None,
         _init_setup_model: bool = True,
     ):
-        if isinstance(influence_batch_size, bool) or not isinstance(influence_batch_size, (int, np.integer)):
-            raise TypeError(f"influence_batch_size must be a positive int, got {influence_batch_size!r}")
-        if influence_batch_size < 1:
-            raise ValueError(
-                f"influence_batch_size must be a positive int (records per scoring chunk), got {influence_batch_size}"
-            )
-        if influence_method not in INFLUENCE_METHODS:
-            raise ValueError(f"influence_method must be one of {INFLUENCE_METHODS}, got {influence_method!r}")
-        if rollout_buffer_class is not None and not issubclass(rollout_buffer_class, InfluenceRolloutBufferMixin):
-            raise TypeError(
-                f"rollout_buffer_class must be InfluenceRolloutBuffer, InfluenceDictRolloutBuffer or a subclass, "
-                f"got {rollout_buffer_class.__name__}. Leave it as None to pick the right one automatically."
-            )
-        self.influence_batch_size = int(influence_batch_size)
-        self.influence_method = influence_method
-        if env is not None:
-            # Make the env here (as BaseAlgorithm would) to reject unsupported spaces with a clear error
-            env = maybe_make_env(env, verbose)
-            _check_action_space(env.action_space)
-            _check_observation_space(env.observation_space)
+        env = self._init_influence(
+            env, verbose, influence_batch_size, influence_method, influence_layer_scorers, rollout_buffer_class
+        )
         super().__init__(
             policy,
             env,
@@ -130,214 +118,176 @@ class InfluencePPO(PPO):
         if _init_setup_model:
             self._setup_model()
 
-    def _setup_model(self) -> None:
-        _check_observation_space(self.observation_space)
-        if self.rollout_buffer_class is None:
-            if isinstance(self.observation_space, spaces.Dict):
-                self.rollout_buffer_class = InfluenceDictRolloutBuffer
-            else:
-                self.rollout_buffer_class = InfluenceRolloutBuffer
-        super()._setup_model()
-        self._influence_engine = InfluenceEngine(self.policy, self.rollout_buffer, method=self.influence_method)
-        self._influence_cache: dict[Any, np.ndarray] = {}
-
-    def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_influence_engine", "_influence_cache"]
-
-    # ------------------------------------------------------------------ influence
-    @property
-    def influence_engine(self) -> InfluenceEngine:
-        """The engine that scores this model's rollout buffer (rebuilt by ``_setup_model``)."""
-        return self._influence_engine
-
-    def training_advantages(self) -> np.ndarray:
+    def update(self, step_hooks: Sequence[StepHook] = ()) -> None:
         """
-        The advantages ``Â_i`` as the coming PPO update will see them (METHOD §2): normalised with the mean and
-        std of the record's minibatch in the first epoch when ``normalize_advantage=True``, raw otherwise.
+        One PPO update on the kept records of the current round, exactly as ``PPO.train`` computes it.
 
-        :return: Array of shape ``(n_steps, n_envs)``.
+        The first epoch walks the round's first permutation, later epochs draw theirs from numpy's global RNG,
+        as ``RolloutBuffer.get`` does; dropped records are skipped. After ``backward()`` and gradient clipping,
+        before ``optimizer.step()``, every hook is called with a :class:`~sb3_influence.common.round.StepInfo`.
+
+        :param step_hooks: Per-optimiser-step subscribers (they must not change parameters or gradients).
         """
-        return self.rollout_buffer.to_records(self._flat_training_advantages())
-
-    def _flat_training_advantages(self) -> np.ndarray:
+        round_ = self.current_round()
         buffer = self.rollout_buffer
-        if not buffer.full:
-            raise RuntimeError("No rollout to score: the rollout buffer is empty. Collect a rollout first (learn()).")
-        dtype = self._influence_engine.dtype
-        raw = th.as_tensor(buffer.flat_field("advantages")).to(dtype)
-        if not self.normalize_advantage:
-            return raw.numpy().astype(np.float64)
-        permutation = buffer.first_epoch_permutation()
-        keep = buffer.flat_keep
-        normalized = raw.clone()
-        # Unfiltered layout for every record, then the layout of the kept records (what the update will see)
-        for order in (permutation, permutation[keep[permutation]]) if not keep.all() else (permutation,):
-            for start in range(0, len(order), self.batch_size):
-                ids = th.as_tensor(order[start : start + self.batch_size])
-                advantages = raw[ids]
-                # Same expression and guard as PPO.train
-                if len(advantages) > 1:
-                    normalized[ids] = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-                else:
-                    normalized[ids] = advantages
-        return normalized.numpy().astype(np.float64)
-
-    def compute_influence(
-        self,
-        target: str | Target = "return",
-        batch_size: int | None = None,
-        cache: bool = False,
-        checkpoints: str = "single",
-    ) -> np.ndarray:
-        """
-        Influence of every record of the current rollout buffer on ``target``, at the current parameters:
-        ``I_i = −⟨∇θ ℓ_i, ∇θ f⟩`` with ``ℓ_i = −Â_i log π(a_i|s_i)`` (METHOD §2). Positive: the record's
-        update moves f up (helpful); negative: harmful.
-
-        :param target: ``"return"``, :class:`~sb3_influence.ReturnTarget`, :class:`~sb3_influence.ActionTarget`
-            or any object implementing the :class:`~sb3_influence.Target` protocol.
-        :param batch_size: Records per chunk (default: ``influence_batch_size``); scores do not depend on it.
-        :param cache: Reuse the scores already computed for this target in this round (callbacks use this to
-            share one computation). Only targets that compare equal (such as ``"return"``) or the same target
-            object hit the cache.
-        :param checkpoints: ``"single"``: at θ(k), the parameters before this round's update (METHOD §2, what IIF
-            uses). ``"multi"``: the paper's formal definition (§3.1, TracIn-style): the sum over every optimiser
-            step j of the coming update whose minibatch holds record i of ``−⟨∇ℓ_i(θ_j), ∇f(θ_j)⟩``, with Â_i
-            normalised in that minibatch. It replays the update (same minibatches, same RNG) and then restores the
-            parameters, the optimizer and the RNG, so the real update that follows is unchanged. About as costly as
-            ``train()`` plus one target gradient per optimiser step.
-        :return: Float64 array of shape ``(n_steps, n_envs)``; ``[step, env]`` is the record at that position.
-        """
-        if self.rollout_buffer is None or not self.rollout_buffer.full:
-            raise RuntimeError(
-                "compute_influence() needs a full rollout buffer: call it from a callback's _on_rollout_end, "
-                "or after learn() has collected at least one rollout."
-            )
-        target = as_target(target)
-        if batch_size is None:
-            batch_size = self.influence_batch_size
-        elif isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int (records per scoring chunk), got {batch_size!r}")
-        if checkpoints not in ("single", "multi"):
-            raise ValueError(f"checkpoints must be 'single' or 'multi', got {checkpoints!r}")
-        key = (self.rollout_buffer.rollout_index, self._n_updates, checkpoints, _cache_key(target))
-        if cache and key in self._influence_cache:
-            return self._influence_cache[key].copy()
-        if checkpoints == "multi":
-            scores = self._multi_checkpoint_influence(target, int(batch_size))
-        else:
-            scores = self._influence_engine.influence(target, self._flat_training_advantages(), int(batch_size))
-        scores = self.rollout_buffer.to_records(scores)
-        if cache:
-            self._influence_cache = {k: v for k, v in self._influence_cache.items() if k[:2] == key[:2]}
-            self._influence_cache[key] = scores.copy()
-        return scores
-
-    def _multi_checkpoint_influence(self, target: Target, batch_size: int) -> np.ndarray:
-        engine, buffer = self._influence_engine, self.rollout_buffer
-        raw = buffer.flat_field("advantages").astype(np.float64)
-        scores = np.zeros(buffer.n_records)
         optimizer = self.policy.optimizer
+        # Switch to train mode (this affects batch norm / dropout)
+        self.policy.set_training_mode(True)
+        sb3_compat.update_learning_rate(self, optimizer)
+        progress = sb3_compat.progress_remaining(self)
+        clip_range = self.clip_range(progress)  # type: ignore[operator]
+        clip_range_vf = None if self.clip_range_vf is None else self.clip_range_vf(progress)  # type: ignore[operator]
 
-        def score_then_step(*args: Any, **kwargs: Any) -> Any:
-            # Called by train() after backward(), before the parameters move: we are at θ_j
-            ids = buffer.current_minibatch
-            assert ids is not None
-            advantages = raw[ids]
-            if self.normalize_advantage and len(ids) > 1:
-                advantages = (advantages - advantages.mean()) / (advantages.std(ddof=1) + 1e-8)
-            with engine.eval_mode():
-                v = engine.target_gradient(target, batch_size)
-                if v:
-                    scores[ids] += advantages * engine.alignment(v, batch_size, ids)[ids]
-            return original_step(*args, **kwargs)
+        entropy_losses, pg_losses, value_losses, clip_fractions = [], [], [], []
+        approx_kl_divs: list[np.ndarray] = []
+        loss: th.Tensor | None = None
+        continue_training = True
+        step = 0
+        total_steps = self.n_epochs * len(buffer.kept_minibatches(round_.first_permutation, self.batch_size))
+        with ExitStack() as captures:
+            # In-run scorers watch the update's own forward and backward passes while it runs
+            for hook in step_hooks:
+                if isinstance(hook, CapturingStepHook):
+                    captures.enter_context(hook.capture(self.policy))
+            for epoch in range(self.n_epochs):
+                approx_kl_divs = []
+                order = round_.first_permutation if epoch == 0 else np.random.permutation(buffer.n_records)
+                for record_ids in buffer.kept_minibatches(order, self.batch_size):
+                    rollout_data = buffer.samples(record_ids)
+                    actions = rollout_data.actions
+                    if isinstance(self.action_space, spaces.Discrete):
+                        # Convert discrete action from float to long
+                        actions = rollout_data.actions.long().flatten()
 
-        # Everything the replay changes, restored afterwards
-        policy_state = copy.deepcopy(self.policy.state_dict())
-        optimizer_state = copy.deepcopy(optimizer.state_dict())
-        buffer.first_epoch_permutation()  # the replay and the real update share the first epoch
-        saved = (np.random.get_state(), th.get_rng_state(), buffer._first_permutation, self._n_updates, self.policy.training)
-        distribution_state = dict(vars(self.policy.action_dist))
-        original_step = optimizer.step
-        patched_before = optimizer.__dict__.get("step")
-        optimizer.step = score_then_step  # type: ignore[method-assign]
-        try:
-            super().train()
-        finally:
-            if patched_before is None:
-                del optimizer.step
-            else:
-                optimizer.step = patched_before  # type: ignore[method-assign]
-            self.policy.load_state_dict(policy_state)
-            optimizer.load_state_dict(optimizer_state)
-            np.random.set_state(saved[0])
-            th.set_rng_state(saved[1])
-            buffer._first_permutation, self._n_updates = saved[2], saved[3]
-            self.policy.set_training_mode(saved[4])
-            vars(self.policy.action_dist).update(distribution_state)
-        return scores
+                    values, log_prob, entropy = self.policy.evaluate_actions(rollout_data.observations, actions)
+                    values = values.flatten()
+                    advantages = rollout_data.advantages
+                    # Normalization does not make sense if mini batchsize == 1, see SB3 GH issue #325
+                    if self.normalize_advantage and len(advantages) > 1:
+                        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
-    # ------------------------------------------------------------------ training
-    def train(self) -> None:
-        """Update the policy on the kept records of the rollout buffer (every record unless some were dropped)."""
-        n_kept = int(self.rollout_buffer.flat_keep.sum())
-        if n_kept == 0:
-            warnings.warn(
-                "Every record of this rollout was dropped (rollout_buffer.keep is all False): skipping this PPO "
-                "update. Drop fewer records (e.g. a smaller IIFCallback fraction) to keep learning.",
-                UserWarning,
-            )
-            self.logger.record("train/n_kept_records", 0)
-            return
-        super().train()
-        self.logger.record("train/n_kept_records", n_kept)
+                    # Ratio between old and new policy, one at the first step
+                    ratio = th.exp(log_prob - rollout_data.old_log_prob)
+                    # Clipped surrogate loss
+                    policy_loss_1 = advantages * ratio
+                    policy_loss_2 = advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range)
+                    policy_loss = -th.min(policy_loss_1, policy_loss_2).mean()
 
-    def learn(
-        self: SelfInfluencePPO,
-        total_timesteps: int,
-        callback: MaybeCallback = None,
-        log_interval: int = 1,
-        tb_log_name: str = "InfluencePPO",
-        reset_num_timesteps: bool = True,
-        progress_bar: bool = False,
-    ) -> SelfInfluencePPO:
-        return super().learn(
-            total_timesteps=total_timesteps,
-            callback=callback,
-            log_interval=log_interval,
-            tb_log_name=tb_log_name,
-            reset_num_timesteps=reset_num_timesteps,
-            progress_bar=progress_bar,
+                    pg_losses.append(policy_loss.item())
+                    clip_fraction = th.mean((th.abs(ratio - 1) > clip_range).float()).item()
+                    clip_fractions.append(clip_fraction)
+
+                    if clip_range_vf is None:
+                        values_pred = values
+                    else:
+                        # Clip the difference between old and new value (depends on the reward scaling)
+                        values_pred = rollout_data.old_values + th.clamp(
+                            values - rollout_data.old_values, -clip_range_vf, clip_range_vf
+                        )
+                    # Value loss using the TD(gae_lambda) target
+                    value_loss = F.mse_loss(rollout_data.returns, values_pred)
+                    value_losses.append(value_loss.item())
+
+                    # Entropy loss favours exploration (approximated when there is no analytical form)
+                    entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
+                    entropy_losses.append(entropy_loss.item())
+
+                    loss = policy_loss + self.ent_coef * entropy_loss + self.vf_coef * value_loss
+
+                    # Approximate reverse KL divergence for early stopping (SB3 issue #417, PR #419)
+                    with th.no_grad():
+                        log_ratio = log_prob - rollout_data.old_log_prob
+                        approx_kl_div = th.mean((th.exp(log_ratio) - 1) - log_ratio).cpu().numpy()
+                        approx_kl_divs.append(approx_kl_div)
+
+                    if self.target_kl is not None and approx_kl_div > 1.5 * self.target_kl:
+                        continue_training = False
+                        if self.verbose >= 1:
+                            print(f"Early stopping at step {epoch} due to reaching max kl: {approx_kl_div:.2f}")
+                        break
+
+                    optimizer.zero_grad()
+                    loss.backward()
+                    total_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+                    if step_hooks:
+                        info = StepInfo.from_loss(
+                            epoch,
+                            step,
+                            record_ids,
+                            rollout_data,
+                            advantages,
+                            ratio,
+                            clip_range,
+                            total_norm,
+                            self.max_grad_norm,
+                            optimizer,
+                            total_steps,
+                        )
+                        for hook in step_hooks:
+                            hook(info)
+                    optimizer.step()
+                    step += 1
+
+                sb3_compat.set_n_updates(self, sb3_compat.n_updates(self) + 1)
+                if not continue_training:
+                    break
+
+        self._record_update_logs(
+            entropy_losses, pg_losses, value_losses, approx_kl_divs, clip_fractions, loss, clip_range, clip_range_vf
         )
 
+    def _record_update_logs(
+        self,
+        entropy_losses: list[float],
+        pg_losses: list[float],
+        value_losses: list[float],
+        approx_kl_divs: list[np.ndarray],
+        clip_fractions: list[float],
+        loss: th.Tensor | None,
+        clip_range: float,
+        clip_range_vf: float | None,
+    ) -> None:
+        """The ``train/`` logs ``PPO.train`` records, for one update."""
+        buffer = self.rollout_buffer
+        explained_var = explained_variance(buffer.values.flatten(), buffer.returns.flatten())
+        self.logger.record("train/entropy_loss", np.mean(entropy_losses))
+        self.logger.record("train/policy_gradient_loss", np.mean(pg_losses))
+        self.logger.record("train/value_loss", np.mean(value_losses))
+        self.logger.record("train/approx_kl", np.mean(approx_kl_divs))
+        self.logger.record("train/clip_fraction", np.mean(clip_fractions))
+        if loss is not None:
+            self.logger.record("train/loss", loss.item())
+        self.logger.record("train/explained_variance", explained_var)
+        if hasattr(self.policy, "log_std"):
+            self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
+        self.logger.record("train/n_updates", sb3_compat.n_updates(self), exclude="tensorboard")
+        self.logger.record("train/clip_range", clip_range)
+        if clip_range_vf is not None:
+            self.logger.record("train/clip_range_vf", clip_range_vf)
 
-def _cache_key(target: Target) -> Any:
-    try:
-        hash(target)
-    except TypeError:
-        return ("id", id(target))
-    return ("target", target)
+    def record_losses(self, samples: Any, advantages: th.Tensor, clip_range: float, clip_range_vf: float | None) -> th.Tensor:
+        """
+        The per-record terms of :meth:`update`'s loss at the current parameters: for each record of ``samples``,
+        ``−min(Â·r, Â·clip(r)) + ent_coef · (−entropy) + vf_coef · (R − V_pred)²``, so that the update's loss is
+        their mean (up to float rounding: the update keeps PPO's own expression, for bit-identity). Optimizer-aware
+        scoring differentiates it for the parameters no layer scorer handles.
 
-
-def _check_action_space(space: spaces.Space) -> None:
-    if not isinstance(space, _SUPPORTED_ACTION_SPACES):
-        raise ValueError(
-            f"InfluencePPO does not support the action space {space}: use Box, Discrete, MultiDiscrete or MultiBinary"
-        )
-
-
-def _check_observation_space(space: spaces.Space) -> None:
-    if isinstance(space, spaces.Dict):
-        for key, subspace in space.spaces.items():
-            if not isinstance(subspace, _SUPPORTED_OBSERVATION_SPACES):
-                raise ValueError(
-                    f"InfluencePPO does not support the observation space {subspace} under Dict key {key!r}: "
-                    f"use one of {[s.__name__ for s in _SUPPORTED_OBSERVATION_SPACES]} (nested Dict/Tuple spaces: flatten "
-                    "them with a wrapper first)"
-                )
-        return
-    if not isinstance(space, _SUPPORTED_OBSERVATION_SPACES):
-        raise ValueError(
-            f"InfluencePPO does not support the observation space {space}: use Box, Discrete, MultiDiscrete, "
-            "MultiBinary or Dict (flatten Tuple/Sequence/Graph spaces with a wrapper first)"
-        )
+        :param samples: A minibatch, as ``rollout_buffer.samples(ids)`` returns it.
+        :param advantages: ``Â`` as the update used them (normalised in the minibatch).
+        :param clip_range: The ratio clip ε.
+        :param clip_range_vf: The value clip, or ``None``.
+        :return: Shape ``(len(samples.actions),)``.
+        """
+        actions = samples.actions
+        if isinstance(self.action_space, spaces.Discrete):
+            actions = actions.long().flatten()
+        values, log_prob, entropy = self.policy.evaluate_actions(samples.observations, actions)
+        values = values.flatten()
+        ratio = th.exp(log_prob - samples.old_log_prob)
+        policy_term = -th.min(advantages * ratio, advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range))
+        if clip_range_vf is None:
+            values_pred = values
+        else:
+            values_pred = samples.old_values + th.clamp(values - samples.old_values, -clip_range_vf, clip_range_vf)
+        entropy_term = log_prob if entropy is None else -entropy
+        return policy_term + self.ent_coef * entropy_term + self.vf_coef * (samples.returns - values_pred) ** 2

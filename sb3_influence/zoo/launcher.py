@@ -11,6 +11,7 @@ import importlib
 import runpy
 import sys
 from importlib import resources
+from types import MappingProxyType
 
 from sb3_influence.extras import missing_module_message
 
@@ -23,15 +24,17 @@ CONFIGS = ("influence_ppo", "ppo")
 # and benchmark start `python -m rl_zoo3.record_video` / `python enjoy.py` subprocesses, which cannot know
 # influence_ppo; rl_zoo3 2.9.2's push_to_hub does not import with the huggingface_sb3 it depends on (3.x has no
 # `generate_metadata`).
-SCRIPTS: dict[str, tuple[str, str | None, bool]] = {
-    "train": ("rl_zoo3.train", "train", True),
-    "enjoy": ("rl_zoo3.enjoy", "enjoy", True),
-    "record_video": ("rl_zoo3.record_video", None, True),
-    "load_from_hub": ("rl_zoo3.load_from_hub", None, True),
-    "plot_train": ("rl_zoo3.plots.plot_train", "plot_train", False),
-    "all_plots": ("rl_zoo3.plots.all_plots", "all_plots", False),
-    "plot_from_file": ("rl_zoo3.plots.plot_from_file", "plot_from_file", False),
-}
+SCRIPTS: "MappingProxyType[str, tuple[str, str | None, bool]]" = MappingProxyType(
+    {
+        "train": ("rl_zoo3.train", "train", True),
+        "enjoy": ("rl_zoo3.enjoy", "enjoy", True),
+        "record_video": ("rl_zoo3.record_video", None, True),
+        "load_from_hub": ("rl_zoo3.load_from_hub", None, True),
+        "plot_train": ("rl_zoo3.plots.plot_train", "plot_train", False),
+        "all_plots": ("rl_zoo3.plots.all_plots", "all_plots", False),
+        "plot_from_file": ("rl_zoo3.plots.plot_from_file", "plot_from_file", False),
+    }
+)
 
 
 def hyperparams_path(algo: str) -> str:
@@ -87,7 +90,7 @@ def _train_args(args: list[str]) -> list[str]:
     known, _ = parser.parse_known_args(args)
     if known.optimize_hyperparameters and known.storage is None:
         print(
-            "sb3-influence-zoo train: -optimize without --storage keeps the study in memory: it cannot be resumed, "
+            "warning: sb3-influence-zoo train: -optimize without --storage keeps the study in memory: it cannot be resumed, "
             "shared by several workers or watched with optuna-dashboard (only the final report is written). "
             "Pass e.g. --storage logs/study.log --study-name NAME to keep it.",
             file=sys.stderr,
@@ -143,26 +146,26 @@ def main(argv: list[str] | None = None) -> int:
     script, rest = argv[0], argv[1:]
     if script == "config":
         if len(rest) != 1 or rest[0] not in CONFIGS:
-            print(f"sb3-influence-zoo config: give one of {list(CONFIGS)}, got {rest}", file=sys.stderr)
+            print(f"error: sb3-influence-zoo config: give one of {list(CONFIGS)}, got {rest}", file=sys.stderr)
             return 2
         print(hyperparams_path(rest[0]))
         return 0
     if script not in SCRIPTS:
-        print(f"sb3-influence-zoo: unknown script {script!r}, use one of {list(SCRIPTS)}\n\n{_usage()}", file=sys.stderr)
+        print(f"error: sb3-influence-zoo: unknown script {script!r}, use one of {', '.join(SCRIPTS)}", file=sys.stderr)
         return 2
     saved_argv = sys.argv
     try:
         try:
             args = _train_args(rest) if script == "train" else rest
         except ValueError as error:
-            print(f"sb3-influence-zoo {script}: {error}", file=sys.stderr)
+            print(f"error: sb3-influence-zoo {script}: {error}", file=sys.stderr)
             return 2
         # rl_zoo3's scripts parse sys.argv themselves
         sys.argv = [f"sb3-influence-zoo {script}", *args]
         _run(script)
     except ModuleNotFoundError as error:
         print(missing_module_message(error, f"sb3-influence-zoo {script}", extra="zoo"), file=sys.stderr)
-        return 1
+        return 2
     finally:
         sys.argv = saved_argv
     return 0

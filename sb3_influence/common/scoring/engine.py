@@ -1,18 +1,18 @@
 """
 The scoring engine: influence of every rollout record on a target, without per-record gradients.
 
-For a record i with training loss ``ℓ_i = −Â_i log π(a_i|s_i)`` and a target f (METHOD §2)::
+For a record i with training loss ``ℓ_i = −Â_i log π(a_i|s_i)`` (the PPO surrogate at the behaviour policy, where
+the ratio is 1 and the clip inactive) and a target f, the paper's local influence (Sec. 3) is::
 
     I_i = −⟨∇θ ℓ_i, ∇θ f⟩ = Â_i · ⟨∇θ log π(a_i|s_i), v⟩,    v = ∇θ f.
 
 So the engine computes one target gradient ``v`` and then the *alignment* ``D_i = ⟨∇θ log π_i, v⟩`` of every
 record, in chunks:
 
-- ``Linear`` and ``Conv1d/2d/3d`` layers: the ghost dot product (METHOD §3). A forward hook keeps the layer
-  input ``x_i``; the gradient ``g_i`` of ``Σ_i log π_i`` with respect to the layer output is record i's own
-  (records do not interact), and ``⟨g_i x_iᵀ, P⟩ + ⟨g_i, p_b⟩ = ((x_i Pᵀ) ⊙ g_i).sum() + g_i · p_b`` with
-  ``P = v_W``; a convolution uses the same identity through one convolution of its input with ``P`` (see
-  ``_ghost_dot``). A layer called several times adds one term per call.
+- layers handled by a :class:`~sb3_influence.common.scoring.layers.LayerScorer` (``Linear``, ``Conv1d/2d/3d`` by
+  default): the ghost dot product. A forward hook keeps the layer input ``x_i``; the gradient ``g_i`` of
+  ``Σ_i log π_i`` with respect to the layer output is record i's own (records do not interact in eval mode).
+  A layer called several times adds one term per call.
 - Every other parameter (``log_std``, layer norms, embeddings, ...): one forward-mode pass, ``torch.func.jvp``
   of the per-record log-probabilities in the direction of ``v`` restricted to those parameters, which is
   exactly ``D_i`` for them.
@@ -28,18 +28,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch as th
-import torch.nn.functional as F
 from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.preprocessing import preprocess_obs
 from torch import nn
 
+from sb3_influence.common import sb3_compat
+from sb3_influence.common.scoring.layers import DEFAULT_LAYER_SCORERS, LayerScorer
 from sb3_influence.common.targets import Target
 
 if TYPE_CHECKING:
     from sb3_influence.common.buffers import InfluenceRolloutBufferMixin
 
-INFLUENCE_METHODS = ("ghost", "jvp")
+ENGINE_MODES = ("ghost", "jvp")
 
 Batch = tuple[np.ndarray, Any, th.Tensor, th.Tensor]
 
@@ -58,43 +59,6 @@ class _ActorLogProb(nn.Module):
         return engine._log_prob_tensors(observations, actions)
 
 
-_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-def _ghostable(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, *_CONVOLUTIONS))
-
-
-def _ghost_dot(
-    module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
-) -> th.Tensor:
-    """
-    ``⟨∂(log π_i)/∂W, v_W⟩ + ⟨∂(log π_i)/∂b, v_b⟩`` for every record, from one layer call (METHOD §3).
-
-    The layer is linear in its weight: record i's weight gradient is ``g_i x_iᵀ`` (summed over positions for a
-    convolution, ``x`` being its patches), and ``⟨g_i x_iᵀ, P⟩ = ⟨g_i, layer(x_i; weight=P, bias=0)⟩``. For a
-    Linear layer that is ``((x_i Pᵀ) ⊙ g_i).sum()``; for a convolution it is one convolution of the input with
-    ``P``, which is the ``unfold`` identity without building the patches (and covers strides, dilation,
-    groups and padding modes, since the layer's own ``_conv_forward`` applies them).
-    """
-    n = inputs.shape[0]
-    out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
-    if v_weight is not None:
-        if isinstance(module, nn.Linear):
-            direction = F.linear(inputs, v_weight)
-        else:
-            direction = module._conv_forward(inputs, v_weight, None)  # type: ignore[operator]
-        out = out + (direction * grad_out).reshape(n, -1).sum(dim=1)
-    if v_bias is not None:
-        # The bias is added at every position: Linear [n, ..., G], convolutions [n, C, *spatial]
-        if isinstance(module, nn.Linear):
-            per_unit = grad_out.reshape(n, -1, grad_out.shape[-1]).sum(dim=1)
-        else:
-            per_unit = grad_out.reshape(n, grad_out.shape[1], -1).sum(dim=2)
-        out = out + per_unit @ v_bias
-    return out
-
-
 class InfluenceEngine:
     """
     Scores the records of a model's rollout buffer. Built by ``InfluencePPO._setup_model``; users call
@@ -102,17 +66,38 @@ class InfluenceEngine:
 
     :param policy: The actor-critic policy whose ``log π`` is differentiated.
     :param buffer: The rollout buffer whose records are scored.
-    :param method: ``"ghost"`` (hooks on Linear/Conv2d, forward-mode for the rest) or ``"jvp"`` (forward-mode
-        for every parameter).
+    :param method: ``"ghost"`` (layer scorers where they apply, forward-mode for the rest) or ``"jvp"``
+        (forward-mode for every parameter).
+    :param layer_scorers: The per-layer ghost scorers, tried in order (default: Linear and convolutions).
     """
 
-    def __init__(self, policy: ActorCriticPolicy, buffer: "InfluenceRolloutBufferMixin", method: str = "ghost"):
-        if method not in INFLUENCE_METHODS:
-            raise ValueError(f"influence_method must be one of {INFLUENCE_METHODS}, got {method!r}")
+    def __init__(
+        self,
+        policy: ActorCriticPolicy,
+        buffer: "InfluenceRolloutBufferMixin",
+        method: str = "ghost",
+        layer_scorers: "tuple[LayerScorer, ...] | None" = None,
+    ):
+        if method not in ENGINE_MODES:
+            raise ValueError(f"influence_method must be one of {ENGINE_MODES}, got {method!r}")
         self.policy = policy
         self.buffer = buffer
         self.method = method
+        self.layer_scorers = DEFAULT_LAYER_SCORERS if layer_scorers is None else tuple(layer_scorers)
+        for scorer in self.layer_scorers:
+            if not isinstance(scorer, LayerScorer):
+                raise TypeError(
+                    f"influence_layer_scorers: {scorer!r} does not implement the LayerScorer protocol "
+                    "(methods handles(module) and dot(module, inputs, grad_out, v_weight, v_bias))"
+                )
         self._actor = _ActorLogProb(self)
+
+    def layer_scorer(self, module: nn.Module) -> LayerScorer | None:
+        """The first layer scorer that handles ``module`` (``None``: forward mode scores its parameters)."""
+        for scorer in self.layer_scorers:
+            if scorer.handles(module):
+                return scorer
+        return None
 
     # ------------------------------------------------------------------ log-probabilities
     @property
@@ -150,7 +135,7 @@ class InfluenceEngine:
             preprocessed = preprocessed.to(self.dtype)
         features = policy.pi_features_extractor(preprocessed)
         latent_pi = policy.mlp_extractor.forward_actor(features)
-        distribution = policy._get_action_dist_from_latent(latent_pi)
+        distribution = sb3_compat.action_distribution(policy, latent_pi)
         if isinstance(policy.action_space, spaces.Discrete):
             actions = actions.long().flatten()
         else:
@@ -230,16 +215,17 @@ class InfluenceEngine:
         covered: set[int] = set()
         if self.method == "ghost":
             for module in self.policy.modules():
-                if not _ghostable(module):
+                if self.layer_scorer(module) is None:
                     continue
                 v_w = v.get(name_of.get(id(module.weight), ""))
-                v_b = v.get(name_of.get(id(module.bias), "")) if module.bias is not None else None
+                bias = getattr(module, "bias", None)
+                v_b = v.get(name_of.get(id(bias), "")) if bias is not None else None
                 if v_w is None and v_b is None:
                     continue
                 ghost[module] = (v_w, v_b)
                 covered.add(id(module.weight))
-                if module.bias is not None:
-                    covered.add(id(module.bias))
+                if bias is not None:
+                    covered.add(id(bias))
         rest = {name: v[name] for name in v if id(named[name]) not in covered}
         return ghost, rest
 
@@ -262,7 +248,9 @@ class InfluenceEngine:
             grads = th.autograd.grad(log_prob.sum(), [output for _, _, output in calls], allow_unused=True)
             for (module, inputs, _), grad_out in zip(calls, grads, strict=True):
                 if grad_out is not None:
-                    chunk = chunk + _ghost_dot(module, inputs, grad_out, *ghost[module])
+                    scorer = self.layer_scorer(module)
+                    assert scorer is not None
+                    chunk = chunk + scorer.dot(module, inputs, grad_out, *ghost[module])
         if rest:
             chunk = chunk + self._jvp(rest, obs, actions)
         return chunk.detach()
@@ -288,7 +276,7 @@ class InfluenceEngine:
         records when the whole buffer fits in one chunk (the common IIF case).
         """
         _, obs, actions, _ = next(self.buffer_batches(self.buffer.n_records))
-        with self._capture([module for module in self.policy.modules() if _ghostable(module)]) as calls:
+        with self._capture([module for module in self.policy.modules() if self.layer_scorer(module) is not None]) as calls:
             log_prob = self._actor(obs, actions)
         names, params = zip(*[(name, p) for name, p in self.policy.named_parameters() if p.requires_grad], strict=True)
         objective = (th.as_tensor(weights, device=self.device).to(self.dtype) * log_prob).sum()
@@ -316,7 +304,7 @@ class InfluenceEngine:
 
     def influence(self, target: Target, advantages: np.ndarray, batch_size: int) -> np.ndarray:
         """
-        ``I_i = −⟨∇ℓ_i, ∇f⟩ = Â_i · D_i`` for every record (METHOD §2).
+        ``I_i = −⟨∇ℓ_i, ∇f⟩ = Â_i · D_i`` for every record (the paper's Sec. 3).
 
         :param target: The target f.
         :param advantages: ``Â_i`` as the coming update will see them, flat, indexed by record id.

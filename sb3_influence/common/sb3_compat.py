@@ -1,0 +1,77 @@
+"""
+Every private Stable-Baselines3 name this package relies on, in one place.
+
+SB3 does not promise these names. ``tests/test_sb3_compat.py`` checks each one against the installed SB3 and
+fails loudly, naming the attribute, when a release renames or removes it. Nothing else in the package touches
+an underscore name of SB3; SB3's documented extension points (``_setup_model``, ``_excluded_save_params``,
+``_init_callback``, ``_on_step``, ``_setup_learn``) are overridden where SB3 expects subclasses to do so.
+"""
+
+from typing import Any
+
+import torch as th
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
+from stable_baselines3.common.distributions import Distribution
+from stable_baselines3.common.logger import Logger
+from stable_baselines3.common.policies import ActorCriticPolicy
+
+#: (owner, attribute) pairs used below; the compatibility test walks this list.
+PRIVATE_NAMES = (
+    (ActorCriticPolicy, "_get_action_dist_from_latent"),
+    (BaseAlgorithm, "_update_learning_rate"),
+    (BaseAlgorithm, "_setup_learn"),
+    (BaseAlgorithm, "_update_current_progress_remaining"),
+    (RolloutBuffer, "_get_samples"),
+    (DictRolloutBuffer, "_get_samples"),
+)
+#: Instance attributes set by SB3's constructors (not visible on the classes).
+PRIVATE_ATTRIBUTES = ("_n_updates", "_current_progress_remaining", "_total_timesteps", "_logger")
+
+
+def action_distribution(policy: ActorCriticPolicy, latent_pi: th.Tensor) -> Distribution:
+    """The action distribution for the actor's latent features (``ActorCriticPolicy._get_action_dist_from_latent``)."""
+    return policy._get_action_dist_from_latent(latent_pi)
+
+
+def update_learning_rate(model: BaseAlgorithm, optimizer: th.optim.Optimizer) -> None:
+    """Set the optimizer's learning rate from the schedule, as SB3's ``train()`` does first."""
+    model._update_learning_rate(optimizer)
+
+
+def progress_remaining(model: BaseAlgorithm) -> float:
+    """The training progress remaining (1 → 0) that schedules are evaluated at."""
+    return model._current_progress_remaining
+
+
+def n_updates(model: Any) -> int:
+    """Number of gradient epochs run so far (``train/n_updates``)."""
+    return int(model._n_updates)
+
+
+def set_n_updates(model: Any, value: int) -> None:
+    """Set the epoch counter (used when a replay or a restore puts the training state back)."""
+    model._n_updates = int(value)
+
+
+def buffer_samples(buffer: RolloutBuffer | DictRolloutBuffer, ids: Any) -> Any:
+    """The samples tuple of the records ``ids`` of a flattened rollout buffer (``RolloutBuffer._get_samples``)."""
+    return buffer._get_samples(ids)
+
+
+def model_logger(model: Any) -> Logger | None:
+    """The model's logger if one was set (``None`` before the first ``learn()``)."""
+    return model.__dict__.get("_logger")
+
+
+def set_model_logger(model: Any, logger: Logger | None) -> None:
+    """Set (or with ``None``, remove) the model's logger."""
+    if logger is None:
+        model.__dict__.pop("_logger", None)
+    else:
+        model._logger = logger
+
+
+def update_progress_remaining(model: Any) -> None:
+    """Recompute the progress remaining from ``num_timesteps``, as ``learn()`` does after each rollout."""
+    model._update_current_progress_remaining(model.num_timesteps, model._total_timesteps)

@@ -1,0 +1,88 @@
+"""
+Per-layer scorers: the ghost dot product for layers that are linear in their parameters.
+
+For a layer ``y = layer(x; W, b)`` that is linear in ``(W, b)``, record i's parameter gradient of a summed loss
+is determined by its input ``x_i`` and output gradient ``g_i = ∂ℓ_i/∂y_i``, and its dot product with a direction
+``(P, p_b)`` in parameter space is ``⟨g_i, layer(x_i; P, 0)⟩ + ⟨Σ_positions g_i, p_b⟩`` — no per-record gradient
+is ever built (the paper's Sec. 3 "ghost" computation, generalised beyond Linear layers).
+
+A :class:`LayerScorer` says which modules it handles and computes that dot product for one layer call. The
+engine takes an ordered list of them (``InfluencePPO(influence_layer_scorers=...)``); parameters in no handled
+layer (``log_std``, layer norms, embeddings...) go through the exact forward-mode path instead. To score a layer
+type of your own, pass an object implementing the protocol; nothing in the package needs editing.
+"""
+
+from typing import Protocol, runtime_checkable
+
+import torch as th
+import torch.nn.functional as F
+from torch import nn
+
+
+@runtime_checkable
+class LayerScorer(Protocol):
+    """Ghost dot products for one kind of layer."""
+
+    def handles(self, module: nn.Module) -> bool:
+        """True when this scorer computes exact dot products for ``module``'s ``weight`` and ``bias``."""
+        ...
+
+    def dot(
+        self, module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
+    ) -> th.Tensor:
+        """
+        ``⟨∂ℓ_i/∂W, v_W⟩ + ⟨∂ℓ_i/∂b, v_b⟩`` for every record of one layer call.
+
+        :param module: The layer.
+        :param inputs: Its input, ``(n, ...)``.
+        :param grad_out: ``∂(Σ_i ℓ_i)/∂output``, ``(n, ...)``: row i is record i's own output gradient.
+        :param v_weight: The direction for the weight (``None``: not scored).
+        :param v_bias: The direction for the bias (``None``: no bias, or not scored).
+        :return: Shape ``(n,)``.
+        """
+        ...
+
+
+class LinearScorer:
+    """``nn.Linear`` (any number of leading dimensions): ``((x_i Pᵀ) ⊙ g_i).sum() + Σ g_i · p_b``."""
+
+    def handles(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear)
+
+    def dot(
+        self, module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
+    ) -> th.Tensor:
+        n = inputs.shape[0]
+        out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
+        if v_weight is not None:
+            out = out + (F.linear(inputs, v_weight) * grad_out).reshape(n, -1).sum(dim=1)
+        if v_bias is not None:
+            out = out + grad_out.reshape(n, -1, grad_out.shape[-1]).sum(dim=1) @ v_bias
+        return out
+
+
+class ConvScorer:
+    """
+    ``nn.Conv1d/2d/3d``: ``⟨g_i x_iᵀ, P⟩`` (summed over positions) is ``⟨g_i, conv(x_i; P)⟩``, one convolution of the
+    input with ``P``: the ``unfold`` identity without building the patches. The layer's own ``_conv_forward``
+    applies its strides, dilation, groups and padding mode.
+    """
+
+    def handles(self, module: nn.Module) -> bool:
+        return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+
+    def dot(
+        self, module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
+    ) -> th.Tensor:
+        n = inputs.shape[0]
+        out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
+        if v_weight is not None:
+            direction = module._conv_forward(inputs, v_weight, None)  # type: ignore[operator]
+            out = out + (direction * grad_out).reshape(n, -1).sum(dim=1)
+        if v_bias is not None:
+            out = out + grad_out.reshape(n, grad_out.shape[1], -1).sum(dim=2) @ v_bias
+        return out
+
+
+#: The scorers used unless a model is given others.
+DEFAULT_LAYER_SCORERS: tuple[LayerScorer, ...] = (LinearScorer(), ConvScorer())

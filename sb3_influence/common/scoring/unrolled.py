@@ -1,0 +1,190 @@
+"""
+Unrolled influence: the exact first-order effect of each record on the target through the whole update.
+
+The in-run optimizer-aware score (:mod:`~sb3_influence.common.scoring.optimizer_aware`) carries each step's
+parameter change to the end of the round unchanged, which leaves out curvature between steps: a record that moves
+θ at step j changes every later step's gradient (PPO's clipped objective partly undoes it, Adam renormalises it).
+This scorer differentiates the update itself. It replays the round from θ(k) with a weight ``w_i`` on every record's
+loss (``w = 1`` is the real update: same minibatches, same order, same clipped-ratio loss, gradient clipping and
+optimizer arithmetic), keeps the graph, evaluates the target at the final parameters θ_J and returns
+
+    I_i = ∂f(θ_J) / ∂w_i  at w = 1,
+
+the first-order change of f from up-weighting record i (removing it: w_i → 0), curvature, clipping and the
+optimizer's state all included. This is a hypergradient (backpropagation through training), exact up to float
+rounding; it costs a replay with a double backward, and the memory of the whole update's graph, so it suits the
+small networks of classic control and MiniGrid. ``compute_influence(optimizer_aware="unrolled")`` uses it.
+
+The replay is a differentiable twin of ``InfluencePPO.update`` and of torch's SGD, Adam/AdamW and RMSprop steps
+(single-tensor arithmetic); ``tests/test_unrolled.py`` checks that it lands on the parameters the real update
+reaches. ``target_kl`` early stopping is not replayed (an error says so).
+"""
+
+from typing import Any
+
+import numpy as np
+import torch as th
+from torch import nn
+
+from sb3_influence.common import sb3_compat
+from sb3_influence.common.scoring.optimizer_aware import check_optimizer
+from sb3_influence.common.state import training_state
+from sb3_influence.common.targets import Target
+
+
+class _Wrapped(nn.Module):
+    """Calls ``fn(model, *args)`` with ``self.policy`` in the module tree, so ``functional_call`` can swap its parameters."""
+
+    def __init__(self, model: Any, fn: Any):
+        super().__init__()
+        self.policy = model.policy
+        self.__dict__["_model"] = model
+        self.__dict__["_fn"] = fn
+
+    def forward(self, *args: Any) -> th.Tensor:
+        return self.__dict__["_fn"](self.__dict__["_model"], *args)
+
+
+def _record_losses(
+    model: Any, samples: Any, advantages: th.Tensor, clip_range: float, clip_range_vf: float | None
+) -> th.Tensor:
+    return model.record_losses(samples, advantages, clip_range, clip_range_vf)
+
+
+def _target_value(model: Any, target: Target, batch_size: int) -> th.Tensor:
+    return sum(target.terms(model.influence_engine, batch_size))  # type: ignore[return-value]
+
+
+def _optimizer_step(
+    optimizer: th.optim.Optimizer, group: dict[str, Any], param: th.Tensor, grad: th.Tensor, state: dict[str, Any], lr: float
+) -> th.Tensor:
+    """One differentiable optimizer step for one parameter (``state`` holds tensors and ``step``, updated in place)."""
+    weight_decay = group.get("weight_decay", 0.0)
+    if isinstance(optimizer, (th.optim.Adam, th.optim.AdamW)):
+        beta1, beta2 = group["betas"]
+        decoupled = isinstance(optimizer, th.optim.AdamW) or group.get("decoupled_weight_decay", False)
+        if weight_decay and decoupled:
+            param = param * (1 - lr * weight_decay)
+        elif weight_decay:
+            grad = grad + weight_decay * param
+        state["step"] += 1
+        state["exp_avg"] = beta1 * state["exp_avg"] + (1 - beta1) * grad
+        state["exp_avg_sq"] = beta2 * state["exp_avg_sq"] + (1 - beta2) * grad * grad
+        second = state["exp_avg_sq"]
+        if group.get("amsgrad", False):
+            state["max_exp_avg_sq"] = th.maximum(state["max_exp_avg_sq"], second)
+            second = state["max_exp_avg_sq"]
+        bias1, bias2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
+        # (+1e-38 under the root: its derivative at 0 would be infinite; the value is unchanged in float32/64)
+        denominator = th.sqrt(second + 1e-38) / (bias2**0.5) + group["eps"]
+        return param - (lr / bias1) * state["exp_avg"] / denominator
+    if isinstance(optimizer, th.optim.SGD):
+        if weight_decay:
+            grad = grad + weight_decay * param
+        momentum = group["momentum"]
+        if momentum:
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = grad
+            else:
+                state["momentum_buffer"] = momentum * state["momentum_buffer"] + (1 - group["dampening"]) * grad
+            grad = grad + momentum * state["momentum_buffer"] if group["nesterov"] else state["momentum_buffer"]
+        return param - lr * grad
+    # RMSprop
+    if weight_decay:
+        grad = grad + weight_decay * param
+    alpha = group["alpha"]
+    state["square_avg"] = alpha * state["square_avg"] + (1 - alpha) * grad * grad
+    average = state["square_avg"]
+    if group["centered"]:
+        state["grad_avg"] = alpha * state["grad_avg"] + (1 - alpha) * grad
+        average = average - state["grad_avg"] * state["grad_avg"]
+    denominator = th.sqrt(average + 1e-38) + group["eps"]
+    if group["momentum"]:
+        state["momentum_buffer"] = group["momentum"] * state["momentum_buffer"] + grad / denominator
+        return param - lr * state["momentum_buffer"]
+    return param - lr * grad / denominator
+
+
+def _initial_state(optimizer: th.optim.Optimizer, param: nn.Parameter) -> dict[str, Any]:
+    stored = optimizer.state.get(param, {})
+    state: dict[str, Any] = {"step": int(stored.get("step", 0))}
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "grad_avg"):
+        state[key] = stored[key].detach().clone() if key in stored else th.zeros_like(param)
+    buffer = stored.get("momentum_buffer")
+    state["momentum_buffer"] = None if buffer is None else buffer.detach().clone()
+    if isinstance(optimizer, th.optim.RMSprop) and state["momentum_buffer"] is None:
+        state["momentum_buffer"] = th.zeros_like(param)
+    return state
+
+
+def unrolled_replay(model: Any, weights: th.Tensor | None = None) -> dict[str, th.Tensor]:
+    """
+    Replay the current round's update from θ(k), differentiably, with record weights; restore the model after.
+
+    :param model: An ``InfluencePPO`` whose buffer holds the round.
+    :param weights: Per-record loss weights, flat by record id (``None``: all ones). Gradients flow back to them.
+    :return: The final parameters θ_J by name (graph attached).
+    """
+    if model.target_kl is not None:
+        raise ValueError("optimizer_aware='unrolled' does not replay target_kl early stopping: set target_kl=None")
+    optimizer = model.policy.optimizer
+    check_optimizer(optimizer)
+    round_ = model.current_round()
+    buffer = model.rollout_buffer
+    if weights is None:
+        weights = th.ones(buffer.n_records, dtype=th.float64)
+    with training_state(model):
+        round_.start_state.restore(model, keep=False)
+        progress = sb3_compat.progress_remaining(model)
+        lr = float(model.lr_schedule(progress))
+        clip_range = model.clip_range(progress)
+        clip_range_vf = None if model.clip_range_vf is None else model.clip_range_vf(progress)
+        named = dict(model.policy.named_parameters())
+        group_of = {param: group for group in optimizer.param_groups for param in group["params"]}
+        theta = {name: param.detach().clone().requires_grad_(True) for name, param in named.items()}
+        states = {name: _initial_state(optimizer, named[name]) for name in theta}
+        losses = _Wrapped(model, _record_losses)
+        model.policy.set_training_mode(True)
+        for epoch in range(model.n_epochs):
+            order = round_.first_permutation if epoch == 0 else np.random.permutation(buffer.n_records)
+            for ids in buffer.kept_minibatches(order, model.batch_size):
+                samples = buffer.samples(ids)
+                advantages = samples.advantages
+                if model.normalize_advantage and len(advantages) > 1:
+                    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+                arguments = (samples, advantages, clip_range, clip_range_vf)
+                per_record = th.func.functional_call(
+                    losses, {f"policy.{k}": v for k, v in theta.items()}, arguments, tie_weights=False
+                )
+                loss = (weights[th.as_tensor(ids)].to(per_record.dtype) * per_record).mean()
+                grads = th.autograd.grad(loss, list(theta.values()), create_graph=True, allow_unused=True)
+                grads = tuple(th.zeros_like(t) if g is None else g for g, t in zip(grads, theta.values(), strict=True))
+                norm = th.sqrt(sum((g * g).sum() for g in grads))  # type: ignore[arg-type]
+                coefficient = th.clamp(model.max_grad_norm / (norm + 1e-6), max=1.0)
+                theta = {
+                    name: _optimizer_step(optimizer, group_of[named[name]], value, grad * coefficient, states[name], lr)
+                    for (name, value), grad in zip(theta.items(), grads, strict=True)
+                }
+    return theta
+
+
+def unrolled_influence(model: Any, target: Target, batch_size: int) -> np.ndarray:
+    """
+    ``∂f(θ_J)/∂w_i`` for every record of the current round (flat, by record id).
+
+    :param model: An ``InfluencePPO`` whose buffer holds the round.
+    :param target: The target f.
+    :param batch_size: Records per chunk when evaluating f.
+    :return: Float64 scores, flat by record id (zero for dropped records).
+    """
+    weights = th.ones(model.rollout_buffer.n_records, dtype=th.float64, requires_grad=True)
+    theta = unrolled_replay(model, weights)
+    evaluate = _Wrapped(model, _target_value)
+    with model.influence_engine.eval_mode():
+        value = th.func.functional_call(
+            evaluate, {f"policy.{k}": v for k, v in theta.items()}, (target, batch_size), tie_weights=False
+        )
+        (gradient,) = th.autograd.grad(value, weights, allow_unused=True)
+    if gradient is None:
+        return np.zeros(model.rollout_buffer.n_records)
+    return gradient.detach().cpu().numpy().astype(np.float64)
