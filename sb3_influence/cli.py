@@ -1,8 +1,9 @@
 """
 ``sb3-influence``: one command line, one sub-command per job (imported only when used).
 
-A user error (a bad argument, a missing or damaged file, a folder of mixed runs, an unknown env id) ends the
-command with one line on stderr, ``error: ...``, and exit status 2, never a traceback. Set the environment
+A user error (a bad argument, a missing or damaged file, a folder of mixed runs, an unknown env id, a module of an
+optional extra that is not installed) ends the command with one line on stderr, ``error: ...``, and exit status 2,
+never a traceback. Set the environment
 variable ``SB3_INFLUENCE_TRACEBACK=1`` to see the traceback instead.
 """
 
@@ -12,6 +13,7 @@ import os
 import sys
 
 from sb3_influence.common.command_line import one_line, user_errors
+from sb3_influence.extras import missing_module_message
 
 # sub-command -> (module, one-line help); each module has ``main(argv: list[str] | None) -> int | None``
 COMMANDS = MappingProxyType(
@@ -21,6 +23,8 @@ COMMANDS = MappingProxyType(
         "report": ("sb3_influence.analysis.report", "build an HTML report (and PNGs) from a run's attribution snapshots"),
     }
 )
+# sub-command -> the extra its optional imports come from (named first when a module is missing)
+COMMAND_EXTRAS = MappingProxyType({"bench": "analysis", "report": "analysis"})
 
 
 def _usage() -> str:
@@ -45,9 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"error: sb3-influence: unknown command {command!r}, use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
     try:
+        module = importlib.import_module(COMMANDS[command][0])
         return int(module.main(rest) or 0)
+    except ModuleNotFoundError as error:
+        if os.environ.get("SB3_INFLUENCE_TRACEBACK"):
+            raise
+        print(missing_module_message(error, f"sb3-influence {command}", COMMAND_EXTRAS.get(command)), file=sys.stderr)
+        return 2
     except Exception as error:
         if not isinstance(error, user_errors()) or os.environ.get("SB3_INFLUENCE_TRACEBACK"):
             raise

@@ -137,11 +137,12 @@ def test_save_load_round_trip(tmp_path):
 
 def test_zoo_config_keys_are_parameters():
     import inspect
-    import os
 
     import yaml
 
-    path = os.path.join(os.path.dirname(__file__), "..", "zoo_configs", "influence_a2c.yml")
+    from sb3_influence.zoo.launcher import hyperparams_path
+
+    path = hyperparams_path("influence_a2c")
     with open(path) as file:
         config = yaml.safe_load(file)
     zoo_keys = {"n_envs", "n_timesteps", "policy", "normalize", "callback", "env_wrapper", "env_kwargs"}

@@ -15,7 +15,8 @@ def _curves(result: dict) -> tuple[list[int], list[float], list[float]]:
 
 @pytest.mark.timeout(1800)
 def test_iif_learns_frozenlake_faster_than_ppo_and_random(tmp_path):
-    """METHOD §7: IIF beats PPO, which beats random filtering, on FrozenLake (exact evaluation, 3 seeds)."""
+    """The paper's IIF experiment (Hu et al., arXiv 2505.19281, Sec. 5) on FrozenLake: IIF beats PPO, which beats random
+    filtering (exact evaluation, 3 seeds)."""
     se = {"iif": [], "random": []}
     for seed in (0, 1, 2):
         runs = {arm: bench.run_one("FrozenLake", arm, seed, str(tmp_path), rounds=25) for arm in ("ppo", "iif", "random")}
