@@ -135,7 +135,7 @@ def test_main_usage_and_unknown_script(capsys):
     assert zoo.main(["config", "ppo"]) == 0
     assert capsys.readouterr().out.strip() == hyperparams_path("ppo")
     assert zoo.main(["config", "a2c"]) == 2
-    assert "give one of ['influence_ppo', 'ppo']" in capsys.readouterr().err
+    assert "give one of ['influence_ppo', 'ppo', 'influence_a2c']" in capsys.readouterr().err
     # No -conf and an env the shipped file does not cover: one line naming --env and the fix
     assert zoo.main(["train", "--algo", "influence_ppo", "--env", "Pendulum-v1"]) == 2
     assert "error: sb3-influence-zoo train: --env Pendulum-v1: sb3_influence's influence_ppo hyperparameters cover" in (
