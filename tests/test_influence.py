@@ -1,4 +1,4 @@
-"""Exactness of the influence engine against brute-force per-record gradients (METHOD §7)."""
+"""Exactness of the influence engine against brute-force per-record gradients (float64, every action and observation space)."""
 
 import copy
 
