@@ -21,7 +21,7 @@ LAYERS = [
         "common.snapshots",
     ],
     ["common.scoring.unrolled", "common.scoring"],
-    ["common.callbacks", "common.algorithm"],
+    ["common.callbacks", "common.algorithm", "common.ppo_update"],
     ["common.dtv"],
 ]
 

@@ -39,12 +39,12 @@ def action_distribution(policy: ActorCriticPolicy | MaskableActorCriticPolicy, l
     return policy._get_action_dist_from_latent(latent_pi)
 
 
-def update_learning_rate(model: BaseAlgorithm, optimizer: th.optim.Optimizer) -> None:
+def update_learning_rate(model: Any, optimizer: th.optim.Optimizer) -> None:
     """Set the optimizer's learning rate from the schedule, as SB3's ``train()`` does first."""
     model._update_learning_rate(optimizer)
 
 
-def progress_remaining(model: BaseAlgorithm) -> float:
+def progress_remaining(model: Any) -> float:
     """The training progress remaining (1 → 0) that schedules are evaluated at."""
     return model._current_progress_remaining
 

@@ -1,5 +1,4 @@
 from collections.abc import Sequence
-from contextlib import ExitStack
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -10,12 +9,9 @@ from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
-from stable_baselines3.common.utils import explained_variance
-from torch.nn import functional as F
 
-from sb3_influence.common import sb3_compat
 from sb3_influence.common.algorithm import InfluenceAlgorithm
-from sb3_influence.common.round import CapturingStepHook, StepHook, StepInfo
+from sb3_influence.common.ppo_update import ClippedSurrogateUpdate
 from sb3_influence.common.scoring import LayerScorer
 from sb3_influence.maskable.buffers import InfluenceMaskableDictRolloutBuffer, InfluenceMaskableRolloutBuffer
 from sb3_influence.maskable.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
@@ -23,7 +19,7 @@ from sb3_influence.maskable.policies import CnnPolicy, MlpPolicy, MultiInputPoli
 SelfInfluenceMaskablePPO = TypeVar("SelfInfluenceMaskablePPO", bound="InfluenceMaskablePPO")
 
 
-class InfluenceMaskablePPO(InfluenceAlgorithm, MaskablePPO):
+class InfluenceMaskablePPO(ClippedSurrogateUpdate, InfluenceAlgorithm, MaskablePPO):
     """
     sb3-contrib's ``MaskablePPO`` (PPO with invalid action masking) whose rollout records can be scored by their
     influence on a target and dropped before the update (Hu et al., "A Snapshot of Influence", arXiv 2505.19281).
@@ -176,162 +172,6 @@ class InfluenceMaskablePPO(InfluenceAlgorithm, MaskablePPO):
         """Records per minibatch of the update (``batch_size=None``: the whole buffer)."""
         return self.rollout_buffer.n_records if self.batch_size is None else int(self.batch_size)
 
-    def update(self, step_hooks: Sequence[StepHook] = ()) -> None:
-        """
-        One ``MaskablePPO`` update on the kept records of the current round, exactly as ``MaskablePPO.train``
-        computes it, with each minibatch's stored action masks.
-
-        The first epoch walks the round's first permutation, later epochs draw theirs from numpy's global RNG,
-        as ``MaskableRolloutBuffer.get`` does; dropped records are skipped. After ``backward()`` and gradient
-        clipping, before ``optimizer.step()``, every hook is called with a
-        :class:`~sb3_influence.common.round.StepInfo` (its ``samples`` carry ``action_masks``).
-
-        :param step_hooks: Per-optimiser-step subscribers (they must not change parameters or gradients).
-        """
-        round_ = self.current_round()
-        buffer = self.rollout_buffer
-        optimizer = self.policy.optimizer
-        # Switch to train mode (this affects batch norm / dropout)
-        self.policy.set_training_mode(True)
-        sb3_compat.update_learning_rate(self, optimizer)
-        progress = sb3_compat.progress_remaining(self)
-        clip_range = self.clip_range(progress)  # type: ignore[operator]
-        clip_range_vf = None if self.clip_range_vf is None else self.clip_range_vf(progress)  # type: ignore[operator]
-
-        entropy_losses, pg_losses, value_losses, clip_fractions = [], [], [], []
-        approx_kl_divs: list[np.ndarray] = []
-        loss: th.Tensor | None = None
-        continue_training = True
-        step = 0
-        total_steps = self.n_epochs * len(buffer.kept_minibatches(round_.first_permutation, self.batch_size))
-        with ExitStack() as captures:
-            # In-run scorers watch the update's own forward and backward passes while it runs
-            for hook in step_hooks:
-                if isinstance(hook, CapturingStepHook):
-                    captures.enter_context(hook.capture(self.policy))
-            for epoch in range(self.n_epochs):
-                approx_kl_divs = []
-                order = round_.first_permutation if epoch == 0 else np.random.permutation(buffer.n_records)
-                for record_ids in buffer.kept_minibatches(order, self.batch_size):
-                    rollout_data = buffer.samples(record_ids)
-                    actions = rollout_data.actions
-                    if isinstance(self.action_space, spaces.Discrete):
-                        # Convert discrete action from float to long
-                        actions = rollout_data.actions.long().flatten()
-
-                    values, log_prob, entropy = self.policy.evaluate_actions(
-                        rollout_data.observations, actions, action_masks=rollout_data.action_masks
-                    )
-                    values = values.flatten()
-                    advantages = rollout_data.advantages
-                    # Normalization does not make sense if mini batchsize == 1, see SB3 GH issue #325
-                    if self.normalize_advantage and len(advantages) > 1:
-                        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-
-                    # Ratio between old and new policy, one at the first step
-                    ratio = th.exp(log_prob - rollout_data.old_log_prob)
-                    # Clipped surrogate loss
-                    policy_loss_1 = advantages * ratio
-                    policy_loss_2 = advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range)
-                    policy_loss = -th.min(policy_loss_1, policy_loss_2).mean()
-
-                    pg_losses.append(policy_loss.item())
-                    clip_fraction = th.mean((th.abs(ratio - 1) > clip_range).float()).item()
-                    clip_fractions.append(clip_fraction)
-
-                    if clip_range_vf is None:
-                        values_pred = values
-                    else:
-                        # Clip the difference between old and new value (depends on the reward scaling)
-                        values_pred = rollout_data.old_values + th.clamp(
-                            values - rollout_data.old_values, -clip_range_vf, clip_range_vf
-                        )
-                    # Value loss using the TD(gae_lambda) target
-                    value_loss = F.mse_loss(rollout_data.returns, values_pred)
-                    value_losses.append(value_loss.item())
-
-                    # Entropy loss favours exploration (approximated when there is no analytical form)
-                    entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
-                    entropy_losses.append(entropy_loss.item())
-
-                    loss = policy_loss + self.ent_coef * entropy_loss + self.vf_coef * value_loss
-
-                    # Approximate reverse KL divergence for early stopping (SB3 issue #417, PR #419)
-                    with th.no_grad():
-                        log_ratio = log_prob - rollout_data.old_log_prob
-                        approx_kl_div = th.mean((th.exp(log_ratio) - 1) - log_ratio).cpu().numpy()
-                        approx_kl_divs.append(approx_kl_div)
-
-                    if self.target_kl is not None and approx_kl_div > 1.5 * self.target_kl:
-                        continue_training = False
-                        if self.verbose >= 1:
-                            print(f"Early stopping at step {epoch} due to reaching max kl: {approx_kl_div:.2f}")
-                        break
-
-                    optimizer.zero_grad()
-                    loss.backward()
-                    total_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-                    if step_hooks:
-                        info = StepInfo.from_loss(
-                            epoch,
-                            step,
-                            record_ids,
-                            rollout_data,
-                            advantages,
-                            ratio,
-                            clip_range,
-                            total_norm,
-                            self.max_grad_norm,
-                            optimizer,
-                            total_steps,
-                        )
-                        for hook in step_hooks:
-                            hook(info)
-                    optimizer.step()
-                    step += 1
-
-                sb3_compat.set_n_updates(self, sb3_compat.n_updates(self) + 1)
-                if not continue_training:
-                    break
-
-        explained_var = explained_variance(buffer.values.flatten(), buffer.returns.flatten())
-        self.logger.record("train/entropy_loss", np.mean(entropy_losses))
-        self.logger.record("train/policy_gradient_loss", np.mean(pg_losses))
-        self.logger.record("train/value_loss", np.mean(value_losses))
-        self.logger.record("train/approx_kl", np.mean(approx_kl_divs))
-        self.logger.record("train/clip_fraction", np.mean(clip_fractions))
-        if loss is not None:
-            self.logger.record("train/loss", loss.item())
-        self.logger.record("train/explained_variance", explained_var)
-        self.logger.record("train/n_updates", sb3_compat.n_updates(self), exclude="tensorboard")
-        self.logger.record("train/clip_range", clip_range)
-        if clip_range_vf is not None:
-            self.logger.record("train/clip_range_vf", clip_range_vf)
-
-    def record_losses(self, samples: Any, advantages: th.Tensor, clip_range: float, clip_range_vf: float | None) -> th.Tensor:
-        """
-        The per-record terms of :meth:`update`'s loss at the current parameters, with each record's action mask:
-        ``−min(Â·r, Â·clip(r)) + ent_coef · (−entropy) + vf_coef · (R − V_pred)²``, so that the update's loss is
-        their mean (up to float rounding). Optimizer-aware scoring differentiates it.
-
-        :param samples: A minibatch, as ``rollout_buffer.samples(ids)`` returns it (with ``action_masks``).
-        :param advantages: ``Â`` as the update used them (normalised in the minibatch).
-        :param clip_range: The ratio clip ε.
-        :param clip_range_vf: The value clip, or ``None``.
-        :return: Shape ``(len(samples.actions),)``.
-        """
-        actions = samples.actions
-        if isinstance(self.action_space, spaces.Discrete):
-            actions = actions.long().flatten()
-        values, log_prob, entropy = self.policy.evaluate_actions(
-            samples.observations, actions, action_masks=samples.action_masks
-        )
-        values = values.flatten()
-        ratio = th.exp(log_prob - samples.old_log_prob)
-        policy_term = -th.min(advantages * ratio, advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range))
-        if clip_range_vf is None:
-            values_pred = values
-        else:
-            values_pred = samples.old_values + th.clamp(values - samples.old_values, -clip_range_vf, clip_range_vf)
-        entropy_term = log_prob if entropy is None else -entropy
-        return policy_term + self.ent_coef * entropy_term + self.vf_coef * (samples.returns - values_pred) ** 2
+    def _evaluate_actions(self, samples: Any, actions: th.Tensor) -> tuple[th.Tensor, th.Tensor, th.Tensor | None]:
+        """``evaluate_actions`` with each record's stored action mask, as ``MaskablePPO.train`` calls it."""
+        return self.policy.evaluate_actions(samples.observations, actions, action_masks=samples.action_masks)
