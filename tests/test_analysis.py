@@ -16,6 +16,8 @@ from sb3_influence.analysis import (
     drop_mask,
     graph_roughness,
     intervene,
+    monte_carlo_advantages,
+    monte_carlo_returns,
     plot_phases,
     state_embeddings,
     tabular_true_advantages,
@@ -188,6 +190,84 @@ def test_diagnose_uses_policy_at_round_start():
     )
     model.learn(128, callback=check)
     assert check.calls == 2
+
+
+def test_monte_carlo_advantages_hand_computed():
+    """Two episodes in one env, gamma 0.5: every number below is worked out by hand."""
+    # Episode 1: (s0, a0, r=0) -> (s1, a1, r=1) -> done.  Episode 2: (s0, a1, r=0) -> (s1, a1, r=0), cut by the buffer.
+    states = np.array([0, 1, 0, 1]).reshape(4, 1, 1)
+    actions = np.array([0, 1, 1, 1]).reshape(4, 1)
+    rewards = np.array([0.0, 1.0, 0.0, 0.0]).reshape(4, 1)
+    starts = np.array([True, False, True, False]).reshape(4, 1)
+    returns = monte_carlo_returns(rewards, starts, 0.5)
+    np.testing.assert_array_equal(returns[:, 0], [0.5, 1.0, 0.0, 0.0])
+    advantage = monte_carlo_advantages(states, actions, rewards, starts, 0.5)
+    # V(s0) = (0.5 + 0)/2, Q(s0,a0) = 0.5, Q(s0,a1) = 0; V(s1) = Q(s1,a1) = (1 + 0)/2
+    np.testing.assert_array_equal(advantage[:, 0], [0.25, 0.0, -0.25, 0.0])
+
+
+def test_monte_carlo_advantages_match_a_loop_over_visits():
+    """Several envs, repeated states: Ā equals an explicit every-visit average written with Python loops."""
+    rng = np.random.default_rng(3)
+    n_steps, n_envs, gamma = 40, 3, 0.9
+    states = rng.integers(0, 4, size=(n_steps, n_envs, 2)).astype(np.float32)
+    actions = rng.integers(0, 2, size=(n_steps, n_envs))
+    rewards = rng.normal(size=(n_steps, n_envs))
+    starts = rng.random((n_steps, n_envs)) < 0.2
+    advantage = monte_carlo_advantages(states, actions, rewards, starts, gamma)
+    returns = {}
+    for env in range(n_envs):
+        g = 0.0
+        for step in reversed(range(n_steps)):
+            ends = step + 1 == n_steps or starts[step + 1, env]
+            g = rewards[step, env] + (0.0 if ends else gamma * g)
+            returns[step, env] = g
+    for (step, env), _ in returns.items():
+        key = tuple(states[step, env])
+        same_state = [returns[i] for i in returns if tuple(states[i]) == key]
+        same_pair = [returns[i] for i in returns if tuple(states[i]) == key and actions[i] == actions[step, env]]
+        assert advantage[step, env] == pytest.approx(np.mean(same_pair) - np.mean(same_state), abs=1e-12)
+
+
+def test_monte_carlo_advantages_bad_input():
+    with pytest.raises(ValueError, match="same shape"):
+        monte_carlo_returns(np.zeros((4, 1)), np.zeros((3, 1)), 0.9)
+    with pytest.raises(ValueError, match="gamma"):
+        monte_carlo_returns(np.zeros(4), np.zeros(4), 1.5)
+    with pytest.raises(ValueError, match="actions must start"):
+        monte_carlo_advantages(np.zeros((4, 1, 1)), np.zeros((3, 1)), np.zeros((4, 1)), np.zeros((4, 1)), 0.9)
+    with pytest.raises(ValueError, match="true_advantage"):
+        DiagnosisCallback(true_advantage="mc")
+
+
+def test_diagnosis_with_monte_carlo_advantage():
+    """The in-buffer estimate is computed from the round's own records, and needs no transition table."""
+    from sb3_influence.analysis import diagnose_tabular
+
+    class Check(BaseCallback):
+        def _on_step(self):
+            return True
+
+        def _on_rollout_end(self):
+            buffer = self.model.rollout_buffer
+            result = diagnose_tabular(self.model, true_advantage="monte_carlo")
+            expected = monte_carlo_advantages(
+                buffer.observations, buffer.actions, buffer.rewards, buffer.episode_starts, self.model.gamma
+            )
+            np.testing.assert_array_equal(result["true_advantage"], expected)
+            assert result["true_advantage_kind"] == "monte_carlo"
+            # A round that reached the goal gives a non-trivial estimate (repeated states, different actions)
+            rewarded = buffer.rewards.sum() > 0
+            assert (np.ptp(result["true_advantage"]) > 0) == rewarded
+            self.rewarded = getattr(self, "rewarded", 0) + int(rewarded)
+            self.calls = getattr(self, "calls", 0) + 1
+
+    check = Check()
+    model = InfluencePPO(
+        "MlpPolicy", frozen_lake(), n_steps=256, batch_size=64, n_epochs=1, seed=0, policy_kwargs=dict(net_arch=[8])
+    )
+    model.learn(512, callback=check)
+    assert check.calls == 2 and check.rewarded >= 1
 
 
 # ------------------------------------------------------------------ behaviour formation

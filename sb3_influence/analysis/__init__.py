@@ -1,7 +1,7 @@
 """
 The paper's three applications (Sec. 4: diagnosis, behaviour formation, intervention) and the HTML report.
 
-- :mod:`~sb3_influence.analysis.diagnosis`: top/bottom records, exact advantages on tabular envs, the
+- :mod:`~sb3_influence.analysis.diagnosis`: top/bottom records, exact and in-buffer Monte-Carlo advantages, the
   influence-advantage correlation;
 - :mod:`~sb3_influence.analysis.formation`: behaviour formation across rounds, graph roughness;
 - :mod:`~sb3_influence.analysis.intervention`: retrain a round without chosen records;
@@ -16,6 +16,8 @@ from sb3_influence.analysis.diagnosis import (
     TabularValues,
     advantage_correlation,
     diagnose_tabular,
+    monte_carlo_advantages,
+    monte_carlo_returns,
     tabular_true_advantages,
     top_bottom_records,
 )
@@ -35,6 +37,8 @@ __all__ = [
     "drop_mask",
     "graph_roughness",
     "intervene",
+    "monte_carlo_advantages",
+    "monte_carlo_returns",
     "plot_phases",
     "state_embeddings",
     "tabular_true_advantages",

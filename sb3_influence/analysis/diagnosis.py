@@ -169,6 +169,84 @@ def tabular_true_advantages(model: "InfluencePPO", env: Any = None, gamma: float
     return TabularValues(policy=pi, v=v, q=q)
 
 
+def monte_carlo_returns(rewards: np.ndarray, episode_starts: np.ndarray, gamma: float) -> np.ndarray:
+    """
+    Discounted return-to-go of every record inside the buffer, ``G_t = r_t + gamma G_{t+1}`` within an episode.
+
+    Each env's column is one stream of records; an episode ends where the next record starts a new one. The
+    episode cut by the buffer's end is summed up to the last record, without bootstrapping (Monte Carlo).
+
+    :param rewards: Rewards, shape ``(n_steps, n_envs)`` (a 1-D array is one env).
+    :param episode_starts: Whether each record is the first of an episode, same shape.
+    :param gamma: Discount factor in ``[0, 1]``.
+    :return: ``G``, float64, same shape as ``rewards``.
+    """
+    rewards = np.asarray(rewards, dtype=np.float64)
+    starts = np.asarray(episode_starts).astype(bool)
+    if rewards.shape != starts.shape or rewards.ndim not in (1, 2):
+        raise ValueError(
+            f"rewards and episode_starts must have the same shape (n_steps, n_envs), got {rewards.shape} and {starts.shape}"
+        )
+    if not 0.0 <= float(gamma) <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
+    column = rewards.ndim == 1
+    rewards, starts = (rewards[:, None], starts[:, None]) if column else (rewards, starts)
+    returns = np.zeros_like(rewards)
+    following = np.zeros(rewards.shape[1])
+    for step in range(rewards.shape[0] - 1, -1, -1):
+        continues = 1.0 - starts[step + 1] if step + 1 < rewards.shape[0] else np.zeros(rewards.shape[1])
+        following = rewards[step] + float(gamma) * continues * following
+        returns[step] = following
+    return returns[:, 0] if column else returns
+
+
+def _record_keys(values: np.ndarray, n_records: int) -> np.ndarray:
+    """One integer per record: equal iff the records' values are equal bit for bit."""
+    flat = np.ascontiguousarray(np.asarray(values).reshape(n_records, -1))
+    rows = flat.view(np.dtype((np.void, flat.dtype.itemsize * flat.shape[1]))).reshape(n_records)
+    return np.unique(rows, return_inverse=True)[1].reshape(n_records)
+
+
+def monte_carlo_advantages(
+    observations: np.ndarray, actions: np.ndarray, rewards: np.ndarray, episode_starts: np.ndarray, gamma: float
+) -> np.ndarray:
+    """
+    The paper's in-buffer Monte-Carlo advantage ``Ā(s, a) = Q̄(s, a) - V̄(s)`` (App. B.4): ``Q̄`` averages the
+    return-to-go :func:`monte_carlo_returns` over every record of the round with the same state and action,
+    ``V̄`` over every record with the same state (every-visit Monte Carlo, no critic).
+
+    States and actions are matched exactly (bit for bit), so it is informative where states repeat inside a
+    round (tabular or grid worlds); with continuous observations every state is seen once and ``Ā = 0``.
+
+    :param observations: Observations, shape ``(n_steps, n_envs, ...)`` (a dict of such arrays for Dict spaces).
+    :param actions: Actions, shape ``(n_steps, n_envs, ...)``.
+    :param rewards: Rewards, shape ``(n_steps, n_envs)``.
+    :param episode_starts: Episode-start flags, shape ``(n_steps, n_envs)``.
+    :param gamma: Discount factor.
+    :return: ``Ā`` per record, float64, shape ``(n_steps, n_envs)``.
+    """
+    returns = monte_carlo_returns(rewards, episode_starts, gamma)
+    if returns.ndim != 2:
+        raise ValueError(f"rewards must have shape (n_steps, n_envs), got {returns.shape}")
+    n_records = returns.size
+    parts = list(observations.values()) if isinstance(observations, dict) else [observations]
+    for name, part in (*(("observations", p) for p in parts), ("actions", actions)):
+        if np.shape(part)[:2] != returns.shape:
+            raise ValueError(f"{name} must start with the buffer's layout {returns.shape}, got shape {np.shape(part)}")
+    # A state key over every observation part, then a (state, action) key
+    state = np.zeros(n_records, dtype=np.int64)
+    for part in parts:
+        state = _record_keys(np.stack([state, _record_keys(part, n_records)], axis=1), n_records)
+    pair = _record_keys(np.stack([state, _record_keys(actions, n_records)], axis=1), n_records)
+    flat_returns = returns.reshape(n_records)
+
+    def group_mean(keys: np.ndarray) -> np.ndarray:
+        sums = np.bincount(keys, weights=flat_returns)
+        return (sums / np.bincount(keys))[keys]
+
+    return (group_mean(pair) - group_mean(state)).reshape(returns.shape)
+
+
 def advantage_correlation(
     influence: np.ndarray, true_advantage: np.ndarray, estimated_advantage: np.ndarray
 ) -> tuple[float, float]:
@@ -196,8 +274,25 @@ def advantage_correlation(
     return float(result.statistic), float(result.pvalue)
 
 
+TRUE_ADVANTAGES = ("exact", "monte_carlo")
+
+
+def _check_choices(estimated: str, true_advantage: str) -> None:
+    if estimated not in ("advantage", "training_advantage"):
+        raise ValueError(f"estimated must be 'advantage' or 'training_advantage', got {estimated!r}")
+    if true_advantage not in TRUE_ADVANTAGES:
+        raise ValueError(
+            f"true_advantage must be 'exact' (policy evaluation on env.unwrapped.P) or 'monte_carlo' (the paper's "
+            f"in-buffer estimate, App. B.4), got {true_advantage!r}"
+        )
+
+
 def diagnose_tabular(
-    model: "InfluencePPO", env: Any = None, target: Any = "return", estimated: str = "advantage"
+    model: "InfluencePPO",
+    env: Any = None,
+    target: Any = "return",
+    estimated: str = "advantage",
+    true_advantage: str = "exact",
 ) -> dict[str, Any]:
     """
     Diagnose the model's current round on a tabular env: influence of every record, its exact advantage
@@ -210,29 +305,56 @@ def diagnose_tabular(
     :param env: The tabular env (default: the model's env).
     :param target: Target of the influence (default ``"return"``).
     :param estimated: ``"advantage"`` (raw GAE, default) or ``"training_advantage"`` (as normalised for the update).
-    :return: Dict with ``round``, ``num_timesteps``, ``spearman``, ``p_value`` and per-record arrays
-        (shape ``(n_steps, n_envs)``) ``influence``, ``true_advantage``, ``estimated_advantage``, ``state``, ``action``.
+    :param true_advantage: How ``Ā`` is obtained: ``"exact"`` (:func:`tabular_true_advantages`, needs the
+        transition table) or ``"monte_carlo"`` (:func:`monte_carlo_advantages` over the round's buffer, as the
+        paper does; needs no table, only states that repeat).
+    :return: Dict with ``round``, ``num_timesteps``, ``spearman``, ``p_value``, ``true_advantage_kind`` and
+        per-record arrays (shape ``(n_steps, n_envs)``) ``influence``, ``true_advantage``, ``estimated_advantage``,
+        ``state`` (the state index on a Discrete observation space, else the observations), ``action``.
+        ``spearman`` correlates the influence *values* with ``Ā·Â`` (positive influence =
+        helpful); the rank with 1 = most helpful correlates with ``Ā·Â`` by ``-spearman``.
     """
-    if estimated not in ("advantage", "training_advantage"):
-        raise ValueError(f"estimated must be 'advantage' or 'training_advantage', got {estimated!r}")
-    values = tabular_true_advantages(model, env)
+    _check_choices(estimated, true_advantage)
     buffer = model.rollout_buffer
     influence = model.compute_influence(target, cache=True)
-    states = buffer.to_records(np.asarray(buffer.flat_field("observations")).reshape(-1).astype(np.int64))
-    actions = buffer.to_records(np.asarray(buffer.flat_field("actions")).reshape(-1).astype(np.int64))
+    raw = buffer.flat_field("observations")
+    observations: Any = (
+        {key: buffer.to_records(np.asarray(value)) for key, value in raw.items()}
+        if isinstance(raw, dict)
+        else buffer.to_records(np.asarray(raw))
+    )
+    actions = buffer.to_records(np.asarray(buffer.flat_field("actions")))
+    if isinstance(model.action_space, spaces.Discrete):
+        actions = actions.reshape(buffer.buffer_size, buffer.n_envs).astype(np.int64)
+    # The state index on a Discrete observation space (the observations themselves otherwise)
+    states = (
+        observations.reshape(buffer.buffer_size, buffer.n_envs).astype(np.int64)
+        if isinstance(model.observation_space, spaces.Discrete)
+        else observations
+    )
     if estimated == "advantage":
         estimate = buffer.to_records(buffer.flat_field("advantages").astype(np.float64))
     else:
         estimate = model.training_advantages()
-    true_advantage = values.advantage[states, actions]
-    rho, p_value = advantage_correlation(influence, true_advantage, estimate)
+    if true_advantage == "exact":
+        true_values = tabular_true_advantages(model, env).advantage[states, actions]
+    else:
+        true_values = monte_carlo_advantages(
+            observations,
+            actions,
+            buffer.to_records(np.asarray(buffer.flat_field("rewards")).reshape(-1)),
+            buffer.to_records(np.asarray(buffer.flat_field("episode_starts")).reshape(-1)),
+            model.gamma,
+        )
+    rho, p_value = advantage_correlation(influence, true_values, estimate)
     return {
         "round": model.current_round().index,
         "num_timesteps": int(model.num_timesteps),
         "spearman": rho,
         "p_value": p_value,
+        "true_advantage_kind": true_advantage,
         "influence": influence,
-        "true_advantage": true_advantage,
+        "true_advantage": true_values,
         "estimated_advantage": estimate,
         "state": states,
         "action": actions,
@@ -248,6 +370,7 @@ class DiagnosisCallback(AnalysisCallback):
     :param env: The tabular env (default: the model's env).
     :param target: Target of the influence (default ``"return"``).
     :param estimated: ``"advantage"`` or ``"training_advantage"``, see :func:`diagnose_tabular`.
+    :param true_advantage: ``"exact"`` or ``"monte_carlo"``, see :func:`diagnose_tabular`.
     :param verbose: 1 prints the correlation of each diagnosed round.
     :ivar results: One dict per diagnosed round, as :func:`diagnose_tabular` returns.
     """
@@ -258,18 +381,25 @@ class DiagnosisCallback(AnalysisCallback):
         env: Any = None,
         target: Any = "return",
         estimated: str = "advantage",
+        true_advantage: str = "exact",
         verbose: int = 0,
     ):
         super().__init__(rounds, verbose)
-        if estimated not in ("advantage", "training_advantage"):
-            raise ValueError(f"estimated must be 'advantage' or 'training_advantage', got {estimated!r}")
+        _check_choices(estimated, true_advantage)
         self.diagnosis_env = env
         self.target = target
         self.estimated = estimated
+        self.true_advantage = true_advantage
         self.results: list[dict[str, Any]] = []
 
     def _on_round(self, index: int) -> None:
-        result = diagnose_tabular(self.model, self.diagnosis_env, self.target, self.estimated)  # type: ignore[arg-type]
+        result = diagnose_tabular(
+            self.model,  # type: ignore[arg-type]
+            self.diagnosis_env,
+            self.target,
+            self.estimated,
+            self.true_advantage,
+        )
         self.results.append(result)
         if self.verbose >= 1:
             print(f"round {index}: Spearman(influence, true x estimated advantage) = {result['spearman']:.3f}")
