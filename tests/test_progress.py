@@ -167,3 +167,31 @@ def test_grid_progress_counts_a_resumed_run_from_its_checkpoint(tmp_path):
     assert watcher.progress.done == 20 and watcher.progress.status == "runs 3/3 done"
     with pytest.raises(ValueError, match="--progress-interval"):
         bench.run_grid([job], out, progress_interval=-1)
+
+
+def test_report_and_faithfulness_give_the_same_results_with_progress(tmp_path, capsys):
+    import numpy as np
+    import torch as th
+    from conftest import collect_rollout
+
+    from sb3_influence import AttributionCallback, InfluencePPO
+    from sb3_influence.analysis.faithfulness import faithfulness
+    from sb3_influence.analysis.report import build_report
+    from sb3_influence.common.snapshots import load_all
+
+    model = InfluencePPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=1, seed=0,
+                         policy_kwargs=dict(net_arch=[16]))  # fmt: skip
+    model.learn(64 * 3, callback=AttributionCallback(save_dir=str(tmp_path / "run")))
+    calls = []
+    snapshots = load_all(tmp_path / "run", on_file=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 3), (2, 3), (3, 3)] and len(snapshots) == 3
+    pages = [build_report(tmp_path / "run", tmp_path / f"report_{on}", progress=on).read_bytes() for on in (False, True)]
+    assert pages[0] == pages[1]
+    model = InfluencePPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1, learning_rate=1e-3, seed=0,
+                         policy_kwargs=dict(net_arch=[16], optimizer_class=th.optim.SGD))  # fmt: skip
+    collect_rollout(model)
+    scores = {"single": model.compute_influence()}
+    results = [faithfulness(model, scores, sizes=(0.1,), n_subsets=3, n_orders=2, progress=on) for on in (False, True)]
+    assert results[0]["n_retrains"] == 2 * (1 + 3 + 5 + 2)
+    np.testing.assert_equal(results[0], results[1])
+    assert capsys.readouterr().out == ""  # short work: no progress line
