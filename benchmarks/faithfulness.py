@@ -124,7 +124,13 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
     scores, seconds = score(model)
     cost = update_cost(model)
     result = faithfulness(
-        model, scores, sizes=tuple(args.sizes), n_subsets=args.subsets, n_orders=args.orders, seed=1000 + seed
+        model,
+        scores,
+        sizes=tuple(args.sizes),
+        n_subsets=args.subsets,
+        n_orders=args.orders,
+        seed=1000 + seed,
+        progress=args.progress,
     )
     result.update(
         env=env,
@@ -212,6 +218,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", nargs="+", type=float, default=[0.01, 0.05, 0.2], help="subset sizes (fractions)")
     parser.add_argument("--subsets", type=int, default=100, help="random subsets per size")
     parser.add_argument("--orders", type=int, default=4, help="minibatch orders the truth is averaged over")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show the retrains of the cell under way and an ETA (a bar on a terminal, else a line every 30 s)",
+    )
     parser.add_argument("--summary", action="store_true", help="only write the docs table and plot from the result files")
     args = parser.parse_args(argv)
     if args.summary:

@@ -23,6 +23,7 @@ import numpy as np
 from sb3_influence.analysis.formation import _spearman
 from sb3_influence.analysis.intervention import target_value
 from sb3_influence.common import sb3_compat
+from sb3_influence.common.progress import Progress
 from sb3_influence.common.state import training_state
 from sb3_influence.common.targets import Target, as_target
 
@@ -73,6 +74,7 @@ def faithfulness(
     n_orders: int = 4,
     target: str | Target = "return",
     seed: int = 0,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """
     LDS, Pearson correlation and extreme-drop effects of several scores of the model's current round.
@@ -85,6 +87,8 @@ def faithfulness(
     :param n_orders: Minibatch orders the truth is averaged over (≥ 2 for the reliability).
     :param target: The target whose change is measured (the one the scores are for).
     :param seed: Seed of the subsets and the orders.
+    :param progress: Show the retrains done and an ETA (:class:`~sb3_influence.common.progress.Progress`: a tqdm
+        bar on a terminal, else a plain line on stdout every 30 s); it changes no result.
     :return: Dict with ``per_size`` (one dict per size: ``lds`` and ``pearson`` by score, ``reliability``, ``ceiling``),
         ``lds``/``pearson`` over all subsets by score, ``reliability``, ``ceiling``, ``extremes`` (per score, effect of
         dropping its bottom/top 5 % in standard deviations of random 5 % drops), ``n_retrains``.
@@ -99,13 +103,24 @@ def faithfulness(
     kept = np.flatnonzero(buffer.keep.reshape(-1))
     rng = np.random.default_rng(seed)
     order_seeds = rng.integers(0, 2**31 - 1, size=n_orders)
-    reference = np.array([retrained_target(model, np.zeros(shape, dtype=bool), int(o), target) for o in order_seeds])
+    # reference + subsets + random 5 % drops + bottom/top of each score, each under every order
+    planned = n_orders * (1 + len(sizes) * n_subsets + max(5, n_subsets // 10) + 2 * len(scores))
+    reporter = Progress(planned, unit="retrain", desc="faithfulness", enabled=progress)
+
+    def retrain(drop: np.ndarray) -> np.ndarray:
+        values = []
+        for order_seed in order_seeds:
+            values.append(retrained_target(model, drop, int(order_seed), target))
+            reporter.update(1)
+        return np.array(values)
+
+    reference = retrain(np.zeros(shape, dtype=bool))
     n_retrains = n_orders
 
     def truth(drop: np.ndarray) -> np.ndarray:
         nonlocal n_retrains
         n_retrains += n_orders
-        return np.array([retrained_target(model, drop, int(o), target) for o in order_seeds]) - reference
+        return retrain(drop) - reference
 
     flat_scores = {name: np.asarray(value, dtype=np.float64).reshape(-1) for name, value in scores.items()}
     rows_prediction: dict[str, list[float]] = {name: [] for name in flat_scores}
@@ -163,6 +178,7 @@ def faithfulness(
             drop[chosen] = True
             effects[label] = (float(truth(drop.reshape(shape)).mean()) - random_mean) / random_std
         extremes[name] = effects
+    reporter.close()
     return {
         "per_size": per_size,
         "lds": {name: _spearman(np.array(p), all_truth.mean(axis=1)) for name, p in rows_prediction.items()},

@@ -10,6 +10,7 @@ The learning curve comes from SB3 ``Monitor`` files (``*monitor.csv``) under ``R
 ``EvalCallback``'s ``evaluations.npz``, else from the episodes completed inside the snapshots' rollouts.
 """
 
+import argparse
 import base64
 import html
 import io
@@ -22,6 +23,7 @@ import numpy as np
 
 from sb3_influence.analysis.formation import _spearman
 from sb3_influence.common.command_line import ArgumentParser, one_line
+from sb3_influence.common.progress import Progress
 from sb3_influence.common.snapshots import Snapshot, as_snapshot, load_all
 
 if TYPE_CHECKING:
@@ -240,6 +242,7 @@ def build_report(
     title: str | None = None,
     run_id: str | None = None,
     on_error: str = "raise",
+    progress: bool = False,
 ) -> Path:
     """
     Write ``report.html`` and its PNGs for the snapshots found under ``run_dir``.
@@ -253,6 +256,8 @@ def build_report(
         several runs is refused without it.
     :param on_error: ``"raise"``: a damaged snapshot file raises :class:`~sb3_influence.common.snapshots.SnapshotError`;
         ``"skip"``: it is left out with a warning naming it.
+    :param progress: Show the snapshot files read and an ETA (:class:`~sb3_influence.common.progress.Progress`:
+        a tqdm bar on a terminal, else a plain line on stdout every 30 s); it changes nothing in the report.
     :return: Path of the HTML file.
     """
     run_dir = Path(run_dir)
@@ -262,7 +267,19 @@ def build_report(
         )
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    snapshots = load_all(run_dir, on_error=on_error, run_id=run_id)
+    reporter: Progress | None = None
+
+    def on_file(done: int, total: int) -> None:
+        nonlocal reporter
+        if reporter is None:  # the number of files is known once the folder is listed
+            reporter = Progress(total, unit="snapshot", desc="report: reading", enabled=progress)
+        reporter.update(done - reporter.done)
+
+    try:
+        snapshots = load_all(run_dir, on_error=on_error, run_id=run_id, on_file=on_file)
+    finally:
+        if reporter is not None:
+            reporter.close()
     target = snapshots[-1].influence_key(target).split("/", 1)[1]
     out = Path(out_dir) if out_dir is not None else (run_dir / "report" if run_dir.is_dir() else run_dir.parent / "report")
     out.mkdir(parents=True, exist_ok=True)
@@ -329,6 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-damaged", action="store_true", help="leave damaged snapshot files out (with a warning) instead of stopping"
     )
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show the snapshot files read and an ETA: a bar on a terminal (with tqdm), else a plain line on stdout "
+        "every 30 s (default: on)",
+    )
     args = parser.parse_args(argv)
     try:
         path = build_report(
@@ -339,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             title=args.title,
             run_id=args.run_id,
             on_error="skip" if args.skip_damaged else "raise",
+            progress=args.progress,
         )
     except (ValueError, OSError) as error:
         parser.error(one_line(error))

@@ -175,6 +175,19 @@ def _parser() -> argparse.ArgumentParser:
         "--address", default=None, help="address of a Ray cluster to send the grid to; default: start Ray on this machine"
     )
     run.add_argument("--nice", type=int, default=0, help="niceness added to the worker processes")
+    run.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show the round of each run under way, the runs done and an ETA: a bar on a terminal (with tqdm), "
+        "else plain lines on stdout",
+    )
+    run.add_argument(
+        "--progress-interval",
+        type=float,
+        default=30.0,
+        help="seconds between two plain progress lines (a line at the end of every run whatever it is)",
+    )
     summary = sub.add_parser(
         "summary",
         formatter_class=formatter,
@@ -248,7 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
         jobs = grid(args.envs, args.arms, args.seeds, args.settings, args.variants, args.rounds, args.eval_episodes)
-        run_grid(jobs, args.out, args.workers, args.backend, args.address, args.nice)
+        run_grid(
+            jobs,
+            args.out,
+            args.workers,
+            args.backend,
+            args.address,
+            args.nice,
+            progress=args.progress,
+            progress_interval=args.progress_interval,
+        )
         return 0
     if args.command == "summary":
         return _summary(args)

@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -200,10 +200,13 @@ def run_one(
     rounds: int | None = None,
     eval_episodes: int = 100,
     checkpoint_every: int = 10,
+    on_round: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """
     Train one arm on one cell, writing :func:`result_path` after every round; a finished run with the same
     config is returned without training, an unfinished one resumes from its last checkpoint in ``<out>/raw/``.
+    A process that watches the result file sees every finished round (that is how ``run_grid`` follows runs in
+    worker processes); ``on_round`` gets them in this process.
 
     :param env: A key of :data:`ENVS`.
     :param arm: A key of :data:`ARMS`.
@@ -214,14 +217,18 @@ def run_one(
     :param rounds: Number of rounds (default: the paper's budget of environment steps).
     :param eval_episodes: Stochastic evaluation episodes per evaluation (ignored for exact evaluation).
     :param checkpoint_every: Save the model under ``<out>/raw/`` every this many rounds (to resume).
+    :param on_round: Called as ``on_round(round, rounds)`` after each round's result is written (not for a run
+        returned without training); it must not change the model.
     :return: The result dict (also on disk).
     """
+    if on_round is not None and not callable(on_round):
+        raise TypeError(f"on_round must be a callable on_round(round, rounds) or None, got {type(on_round).__name__}")
     config = run_config(env, setting, arm, seed, variants, rounds, eval_episodes)
     # One torch thread per run (runs go in parallel, one per core); the caller's setting is restored afterwards
     previous = th.get_num_threads()
     th.set_num_threads(1)
     try:
-        return _run_one(config, out, eval_episodes, checkpoint_every)
+        return _run_one(config, out, eval_episodes, checkpoint_every, on_round)
     finally:
         th.set_num_threads(previous)
 
@@ -250,7 +257,13 @@ def _reuse_unfiltered(config: dict[str, Any], out: str, eval_episodes: int) -> d
     return {**base, "config": config, "reused_from": os.path.relpath(base_path, out), "total_cpu_time": 0.0}
 
 
-def _run_one(config: dict[str, Any], out: str, eval_episodes: int, checkpoint_every: int) -> dict[str, Any]:
+def _run_one(
+    config: dict[str, Any],
+    out: str,
+    eval_episodes: int,
+    checkpoint_every: int,
+    on_round: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     from sb3_influence import InfluencePPO
 
     env, arm, seed, setting, variants = config["env"], config["arm"], config["seed"], config["setting"], config["variants"]
@@ -328,5 +341,7 @@ def _run_one(config: dict[str, Any], out: str, eval_episodes: int, checkpoint_ev
         # Everything this process spent on the run (setup, rounds, evaluations), summed over resumptions
         result["total_cpu_time"] = spent + time.process_time() - cpu_start
         write_json(path, result)
+        if on_round is not None:
+            on_round(round_, rounds)
     eval_env.close()
     return result

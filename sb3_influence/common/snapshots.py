@@ -43,7 +43,7 @@ import time
 import warnings
 import zipfile
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -609,13 +609,14 @@ def _candidate_files(root: Path) -> list[Path]:
     return files
 
 
-def _scan(path: str | os.PathLike, on_error: str, read: Any) -> list[Any]:
-    """``read(file)`` for each snapshot file at ``path``; foreign files skipped, damaged ones per ``on_error``."""
+def _scan(path: str | os.PathLike, on_error: str, read: Any, on_file: Callable[[int, int], None] | None = None) -> list[Any]:
+    """``read(file)`` for each snapshot file at ``path``; foreign files skipped, damaged ones per ``on_error``;
+    ``on_file(files looked at, files)`` after each."""
     _check_on_error(on_error)
     root = Path(path)
     files = _candidate_files(root)
     results = []
-    for file in files:
+    for index, file in enumerate(files, 1):
         try:
             results.append(read(str(file)))
         except SnapshotError as error:
@@ -627,6 +628,8 @@ def _scan(path: str | os.PathLike, on_error: str, read: Any) -> list[Any]:
                 warnings.warn(f"Skipping an unreadable snapshot: {error}", UserWarning)
             else:
                 raise
+        if on_file is not None:
+            on_file(index, len(files))
     if not results:
         raise SnapshotError(root, "holds no readable attribution snapshot (see the warnings for the files skipped)")
     return results
@@ -718,7 +721,13 @@ def snapshot_files(
     return [snapshot.path for snapshot in load_all(path, on_error=on_error, run_id=run_id, allow_mixed=allow_mixed)]
 
 
-def load_all(snapshots: Any, on_error: str = "raise", run_id: str | None = None, allow_mixed: bool = False) -> list[Snapshot]:
+def load_all(
+    snapshots: Any,
+    on_error: str = "raise",
+    run_id: str | None = None,
+    allow_mixed: bool = False,
+    on_file: Callable[[int, int], None] | None = None,
+) -> list[Snapshot]:
     """
     Several snapshots, in round order.
 
@@ -731,10 +740,11 @@ def load_all(snapshots: Any, on_error: str = "raise", run_id: str | None = None,
         out with a warning naming it).
     :param run_id: For folders: keep the snapshots of this run only (a unique prefix is enough).
     :param allow_mixed: For folders: accept several runs.
+    :param on_file: For folders: called as ``on_file(files read, files)`` after each file (to show progress).
     :return: The snapshots, sorted by ``(round, num_timesteps)``.
     """
     if isinstance(snapshots, (str, os.PathLike)):
-        loaded = _scan(snapshots, on_error, load_snapshot)
+        loaded = _scan(snapshots, on_error, load_snapshot, on_file)
         return _select_runs(os.fspath(snapshots), loaded, run_id, allow_mixed)
     if isinstance(snapshots, (dict, Snapshot)):
         return [as_snapshot(snapshots)]
