@@ -413,6 +413,29 @@ def test_intervene_measures_the_retrained_target():
     assert np.isnan(table["test_return"]).all()  # no eval_env given
 
 
+def test_intervene_evaluator_sees_the_start_and_every_retrain():
+    """An evaluator that returns the target shows where it is called: at θ(k), then after each arm's retrain."""
+    seen = {}
+
+    class Probe(BaseCallback):
+        def _on_step(self):
+            return True
+
+        def _on_rollout_end(self):
+            if self.model.num_timesteps == 256:
+                seen["table"] = intervene(self.model, arms=["negatives", "random"], evaluator=target_value)
+                with pytest.raises(ValueError, match="not both"):
+                    intervene(self.model, evaluator=target_value, eval_env=gym.make("CartPole-v1"))
+                with pytest.raises(TypeError, match="evaluator"):
+                    intervene(self.model, evaluator=1.0)
+
+    _make_cartpole(seed=1).learn(128 * 2, callback=Probe())
+    table = seen["table"]
+    np.testing.assert_array_equal(table["test_return_start"], table["target_before"])
+    np.testing.assert_array_equal(table["test_return"], table["target_after"])
+    assert table.loc[0, "test_return"] != table.loc[0, "test_return_start"]  # the update moved the parameters
+
+
 def test_intervene_custom_arm_and_bad_input():
     model = _make_cartpole()
     with pytest.raises(RuntimeError, match="full rollout buffer"):

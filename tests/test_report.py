@@ -122,3 +122,49 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     # A rendered page with figures, not a blank or an error page: many distinct colours
     colours = np.unique((pixels[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
     assert len(colours) > 50
+
+
+def test_report_diagnosis_and_intervention_on_frozen_lake(tmp_path):
+    """States repeat on FrozenLake: the page carries the in-buffer diagnosis table and the intervention plot."""
+    import gymnasium as gym
+
+    from sb3_influence.analysis import InterventionCallback, snapshot_diagnosis
+    from sb3_influence.analysis.intervention import read_interventions
+
+    model = InfluencePPO(
+        "MlpPolicy",
+        gym.make("FrozenLake-v1", is_slippery=False),
+        n_steps=256,
+        batch_size=64,
+        n_epochs=1,
+        seed=0,
+        policy_kwargs=dict(net_arch=[8]),
+    )
+    save_dir = str(tmp_path / "run")
+    intervention = InterventionCallback(rounds=[0, 1], save_dir=save_dir, arms=["negatives", "random"])
+    model.learn(256 * 2, callback=[intervention, AttributionCallback(save_dir=save_dir)])
+    out = tmp_path / "report"
+    build_report(save_dir, out_dir=str(out))
+    page = (out / "report.html").read_text()
+    section = page.split('id="diagnosis"')[1].split("<h2")[0]
+    snapshots = sorted((load_snapshot(str(p)) for p in (tmp_path / "run").glob("*.npz")), key=lambda s: s.round)
+    rewarded = [snapshot for snapshot in snapshots if snapshot.arrays["reward"].sum() > 0]
+    assert rewarded  # a round that reached the goal (otherwise every return, hence Ā, is 0 and ρ is nan)
+    for snapshot in rewarded:
+        rho = snapshot_diagnosis(snapshot)["spearman"]
+        assert np.isfinite(rho) and f"{rho:.3g}" in section
+    # The intervention files hold the callback's own tables, and the page shows their plot
+    table, others = read_interventions(save_dir, model.run_id)
+    assert others == 0 and sorted(set(table["round"])) == [0, 1]
+    np.testing.assert_array_equal(table[table["round"] == 1]["delta_target"], intervention.results[1]["delta_target"])
+    png = (out / "intervention.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and base64.b64encode(png).decode() in page
+    # Files of another run under the folder are left out, and said so
+    assert read_interventions(save_dir, "another-run")[1] == 2
+
+
+def test_report_says_why_the_diagnosis_is_not_shown(run_dir, tmp_path):
+    build_report(str(run_dir), out_dir=str(tmp_path / "r"))
+    section = (tmp_path / "r" / "report.html").read_text().split('id="diagnosis"')[1].split("<h2")[0]
+    assert "Not shown" in section and "repeated states" in section
+    assert not (tmp_path / "r" / "intervention.png").exists()

@@ -18,6 +18,7 @@ from sb3_influence.analysis.diagnosis import (
     diagnose_tabular,
     monte_carlo_advantages,
     monte_carlo_returns,
+    snapshot_diagnosis,
     tabular_true_advantages,
     top_bottom_records,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "monte_carlo_advantages",
     "monte_carlo_returns",
     "plot_phases",
+    "snapshot_diagnosis",
     "state_embeddings",
     "tabular_true_advantages",
     "target_value",

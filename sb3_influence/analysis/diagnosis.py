@@ -287,6 +287,56 @@ def _check_choices(estimated: str, true_advantage: str) -> None:
         )
 
 
+def snapshot_diagnosis(snapshot: Any, target: str | None = None, gamma: float | None = None) -> dict[str, Any]:
+    """
+    The diagnosis of one saved round from its snapshot alone, with the in-buffer Monte-Carlo ``Ā``
+    (:func:`monte_carlo_advantages`): what the report shows when the round's states repeat.
+
+    :param snapshot: A snapshot path, ``load_snapshot`` result or dict of arrays (needs ``obs``, ``action``,
+        ``reward``, ``episode_start``, ``advantage`` and the target's influence).
+    :param target: Target name (default ``"return"``, else the only one).
+    :param gamma: Discount factor; default: the run's ``gamma`` from the snapshot's metadata.
+    :return: Dict with ``round``, ``spearman`` (influence vs ``Ā·Â``), ``revisited`` (share of records whose state
+        is taken with at least two different actions in the round: below ~0.3 the estimate says little),
+        ``sign_flips`` (share of records with ``Ā·Â < 0``) and ``sign_flips_bottom`` (the same among the 5 % most
+        harmful records).
+    """
+    snapshot = as_snapshot(snapshot)
+    if gamma is None:
+        gamma = snapshot.metadata.get("config", {}).get("gamma")
+        if gamma is None:
+            raise ValueError("gamma: the snapshot's metadata has no config.gamma; pass the run's discount factor as `gamma`")
+    obs_keys = sorted(key for key in snapshot.arrays if key == "obs" or key.startswith("obs/"))
+    missing = [name for name in ("action", "reward", "episode_start", "advantage") if name not in snapshot.arrays]
+    if not obs_keys or missing:
+        raise ValueError(
+            f"snapshot {snapshot.path or '(arrays)'} lacks {missing or ['obs']}: was it written by AttributionCallback?"
+        )
+    observations = {key: snapshot.arrays[key] for key in obs_keys}
+    scores = snapshot.scores(target)
+    arrays = snapshot.arrays
+    per_step = monte_carlo_advantages(observations, arrays["action"], arrays["reward"], arrays["episode_start"], gamma)
+    advantage_mc = per_step.swapaxes(0, 1).reshape(-1)  # record-id order, as snapshot.flat
+    estimate = snapshot.flat("advantage").astype(np.float64)
+    n_records = scores.size
+    state = np.zeros(n_records, dtype=np.int64)
+    for key in obs_keys:
+        state = _record_keys(np.stack([state, _record_keys(snapshot.flat(key), n_records)], axis=1), n_records)
+    action = _record_keys(snapshot.flat("action"), n_records)
+    pairs = np.unique(np.stack([state, action], axis=1), axis=0)
+    actions_per_state = np.bincount(pairs[:, 0], minlength=int(state.max()) + 1)
+    flips = advantage_mc * estimate < 0
+    bottom = np.argsort(scores, kind="stable")[: max(1, n_records // 20)]
+    rho, _ = advantage_correlation(scores, advantage_mc, estimate)
+    return {
+        "round": snapshot.round,
+        "spearman": rho,
+        "revisited": float((actions_per_state[state] >= 2).mean()),
+        "sign_flips": float(flips.mean()),
+        "sign_flips_bottom": float(flips[bottom].mean()),
+    }
+
+
 def diagnose_tabular(
     model: "InfluencePPO",
     env: Any = None,

@@ -10,7 +10,10 @@ nothing had happened. The arms use the drop rules of :mod:`sb3_influence.common.
 ``IIFCallback`` uses. :class:`InterventionCallback` runs it at chosen rounds.
 """
 
-from collections.abc import Mapping, Sequence
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +117,7 @@ def intervene(
     n_eval_episodes: int = 5,
     deterministic: bool = False,
     seed: int = 0,
+    evaluator: Callable[[Any], float] | None = None,
 ) -> "pd.DataFrame":
     """
     Retrain the current round from θ(k) once per arm and compare each with the unfiltered retrain.
@@ -131,9 +135,13 @@ def intervene(
     :param n_eval_episodes: Test episodes per arm.
     :param deterministic: Evaluate the deterministic policy (the paper evaluates the stochastic one).
     :param seed: Seed of the random arms and of the evaluation (the same for every arm).
+    :param evaluator: A function ``model -> test return`` used instead of ``eval_env`` / ``n_eval_episodes``
+        (e.g. an exact evaluation on a tabular env, or a vectorised one); it must leave the model as it found it.
     :return: DataFrame, one row per arm, the reference ``"none"`` first: ``arm``, ``n_dropped``,
         ``target_before``, ``target_after``, ``delta_target`` (target_after minus the reference's),
-        ``test_return``, ``delta_return`` (minus the reference's), plus ``round`` and ``num_timesteps``.
+        ``test_return``, ``delta_return`` (minus the reference's), ``test_return_start`` (the test return at
+        θ(k), before any update: ``test_return`` of ``"none"`` minus it is what PPO's own update gained), plus
+        ``round`` and ``num_timesteps``.
     """
     import pandas as pd
 
@@ -142,9 +150,19 @@ def intervene(
         raise RuntimeError("intervene() needs a full rollout buffer at θ(k): call it from a callback's _on_rollout_end")
     if isinstance(n_eval_episodes, bool) or not isinstance(n_eval_episodes, (int, np.integer)) or n_eval_episodes < 1:
         raise ValueError(f"n_eval_episodes must be a positive int, got {n_eval_episodes!r}")
+    if evaluator is not None and not callable(evaluator):
+        raise TypeError(f"evaluator must be a function model -> test return, got {type(evaluator).__name__}")
+    if evaluator is not None and eval_env is not None:
+        raise ValueError("pass either eval_env (evaluated with evaluate_policy) or evaluator, not both")
     if eval_env is not None and not isinstance(eval_env, VecEnv):
         env = eval_env
         eval_env = DummyVecEnv([lambda: env])
+
+    def test_return() -> float:
+        if evaluator is not None:
+            return float(evaluator(model))
+        return _evaluate(model, eval_env, int(n_eval_episodes), seed, deterministic)
+
     target = as_target(target)
     shape = buffer.keep.shape
     if isinstance(arms, Mapping):
@@ -169,6 +187,7 @@ def intervene(
         base_keep = buffer.keep.copy() if now.keep is None else now.keep
         round_.start_state.restore(model, keep=False)
         before = target_value(model, target)
+        start_return = test_return()
         for name, drop in {"none": np.zeros(shape, dtype=bool), **masks}.items():
             round_.start_state.restore(model, keep=False)
             buffer.keep[...] = base_keep & ~drop
@@ -181,15 +200,61 @@ def intervene(
                     "n_dropped": int((base_keep & drop).sum()),
                     "target_before": before,
                     "target_after": target_value(model, target),
-                    "test_return": _evaluate(model, eval_env, int(n_eval_episodes), seed, deterministic),
+                    "test_return": test_return(),
                 }
             )
     table = pd.DataFrame(rows)
     table["delta_target"] = table["target_after"] - table.loc[0, "target_after"]
     table["delta_return"] = table["test_return"] - table.loc[0, "test_return"]
+    table["test_return_start"] = start_return
     table["round"] = round_.index
     table["num_timesteps"] = int(model.num_timesteps)
     return table
+
+
+INTERVENTION_FILE = "intervention_round{:06d}.json"
+
+
+def write_intervention(save_dir: str, model: Any, table: "pd.DataFrame") -> str:
+    """
+    Write one round's :func:`intervene` table, with the run's id, atomically (temporary file, then rename).
+
+    :param save_dir: The folder.
+    :param model: The model (for its ``run_id``).
+    :param table: The table.
+    :return: The file's path.
+    """
+    round_index = int(table["round"].iloc[0])
+    path = os.path.join(save_dir, INTERVENTION_FILE.format(round_index))
+    data = {"run_id": getattr(model, "run_id", None), "round": round_index, "rows": table.to_dict(orient="records")}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, allow_nan=True)
+    os.replace(tmp, path)
+    return path
+
+
+def read_interventions(run_dir: str, run_id: str | None) -> tuple["pd.DataFrame", int]:
+    """
+    The intervention tables written under ``run_dir`` (searched recursively) for one run.
+
+    :param run_dir: The folder.
+    :param run_id: Keep the files of this run only (``None``: all).
+    :return: ``(table, n_other)``: the rows of every matching file in round order, arms as written (empty if none), and how many
+        files of other runs were left out.
+    """
+    import pandas as pd
+
+    frames, others = [], 0
+    for path in sorted(Path(run_dir).rglob("intervention_round*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if run_id is not None and data.get("run_id") != run_id:
+            others += 1
+            continue
+        frames.append(pd.DataFrame(data["rows"]))
+    if not frames:
+        return pd.DataFrame(), others
+    return pd.concat(frames, ignore_index=True).sort_values("round", kind="stable"), others
 
 
 class InterventionCallback(AnalysisCallback):
@@ -200,18 +265,38 @@ class InterventionCallback(AnalysisCallback):
         ``None``: every round.
     :param eval_env: Environment for the test return (``None``: none measured).
     :param intervene_kwargs: Keyword arguments of :func:`intervene` (``arms``, ``fraction``, ``target``, ...).
+    :param save_dir: Folder to write each round's table to, as ``intervention_round<k>.json`` with the run's id
+        (give the ``save_dir`` of ``AttributionCallback`` and ``sb3-influence report`` plots them); ``None``: keep
+        them in :attr:`results` only.
     :param verbose: 1 prints each round's table.
     :ivar results: One DataFrame per round, as :func:`intervene` returns.
     """
 
-    def __init__(self, rounds: Sequence[int] | None = None, eval_env: Any = None, verbose: int = 0, **intervene_kwargs: Any):
+    def __init__(
+        self,
+        rounds: Sequence[int] | None = None,
+        eval_env: Any = None,
+        save_dir: str | None = None,
+        verbose: int = 0,
+        **intervene_kwargs: Any,
+    ):
         super().__init__(rounds, verbose)
+        if save_dir is not None and not isinstance(save_dir, (str, os.PathLike)):
+            raise TypeError(f"save_dir must be a folder path or None, got {type(save_dir).__name__}")
         self.eval_env = eval_env
+        self.save_dir = None if save_dir is None else os.fspath(save_dir)
         self.intervene_kwargs = intervene_kwargs
         self.results: list[pd.DataFrame] = []
+
+    def _init_callback(self) -> None:
+        super()._init_callback()
+        if self.save_dir is not None:
+            os.makedirs(self.save_dir, exist_ok=True)
 
     def _on_round(self, index: int) -> None:
         table = intervene(self.model, eval_env=self.eval_env, **self.intervene_kwargs)  # type: ignore[arg-type]
         self.results.append(table)
+        if self.save_dir is not None:
+            write_intervention(self.save_dir, self.model, table)
         if self.verbose >= 1:
             print(table[["arm", "n_dropped", "delta_target", "delta_return"]].to_string(index=False))

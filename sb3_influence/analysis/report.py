@@ -190,6 +190,68 @@ def _figures(
     return figures
 
 
+_MIN_REVISITED = 0.3  # below this share of revisited records the in-buffer Monte-Carlo advantage says little
+
+
+def _diagnosis_section(snapshots: list[Snapshot], target: str | None) -> str:
+    """The Sec. 4.1 table (influence vs Ā·Â with the in-buffer Monte-Carlo Ā) when the rounds' states repeat."""
+    from sb3_influence.analysis.diagnosis import snapshot_diagnosis
+
+    try:
+        rows = [snapshot_diagnosis(snapshot, target) for snapshot in snapshots]
+    except ValueError as error:
+        return f'<p class="note">Not shown: {html.escape(one_line(error))}</p>'
+    revisited = float(np.median([row["revisited"] for row in rows]))
+    if revisited < _MIN_REVISITED:
+        return (
+            f'<p class="note">Not shown: only {100 * revisited:.0f} % of the records (median over rounds) are in a state '
+            "that the round also visits with another action, so the in-buffer Monte-Carlo advantage Ā is "
+            "uninformative (it needs repeated states, as in tabular or grid worlds).</p>"
+        )
+    import pandas as pd
+
+    table = pd.DataFrame(rows).rename(
+        columns={
+            "spearman": "Spearman(I, Ā·Â)",
+            "revisited": "revisited share",
+            "sign_flips": "Ā·Â < 0 (all)",
+            "sign_flips_bottom": "Ā·Â < 0 (bottom 5 %)",
+        }
+    )
+    note = (
+        '<p class="note">Ā: the in-buffer Monte-Carlo advantage (mean return-to-go of the same state and action minus '
+        "that of the same state, within the round); Â: the GAE estimate the update used. A positive correlation means "
+        "the records whose estimate has the wrong sign are the harmful ones (the paper's Sec. 4.1, where -0.67 is "
+        "the same finding with ranks counted from the most helpful record).</p>"
+    )
+    return '<div class="wide">' + table.to_html(index=False, float_format=lambda x: f"{x:.3g}", border=0) + "</div>" + note
+
+
+def _intervention_figure(run_dir: Path, run_id: str | None) -> tuple[str, bytes, str] | None:
+    """Δ target and Δ test return of each arm per round, from ``InterventionCallback(save_dir=...)`` files."""
+    from sb3_influence.analysis.intervention import read_interventions
+
+    table, others = read_interventions(str(run_dir), run_id)
+    if table.empty:
+        return None
+    arms = [arm for arm in dict.fromkeys(table["arm"]) if arm != "none"]
+    has_return = bool(np.isfinite(table["test_return"].to_numpy(dtype=float)).any())
+    figure = _figure()
+    axes = figure.subplots(1, 2 if has_return else 1, squeeze=False)[0]
+    for axis, column, label in zip(axes, ("delta_target", "delta_return"), ("Δ target", "Δ test return"), strict=False):
+        for arm in arms:
+            rows = table[table["arm"] == arm]
+            axis.plot(rows["round"], rows[column], marker="o", ms=3, label=arm)
+        axis.axhline(0.0, color="grey", lw=0.8)
+        axis.set_xlabel("round")
+        axis.set_ylabel(f"{label} vs retraining on every record")
+        axis.legend(fontsize=7)
+    note = "Each round retrained from θ(k) once per arm (intervene); 0 = the unfiltered retrain, i.e. PPO's own update."
+    if others:
+        note += f" {others} intervention file(s) of other runs under the folder were left out."
+    return "Targeted intervention per round", _png(figure), note
+
+
 def _records_table(snapshot: Snapshot, target: str | None, top_k: int) -> str:
     from sb3_influence.analysis.diagnosis import top_bottom_records
 
@@ -286,6 +348,9 @@ def build_report(
 
     summary = round_summary(snapshots, target)
     figures = _figures(snapshots, summary, target, run_dir if run_dir.is_dir() else run_dir.parent)
+    intervention = _intervention_figure(run_dir if run_dir.is_dir() else run_dir.parent, snapshots[-1].metadata.get("run_id"))
+    if intervention is not None:
+        figures["intervention"] = intervention
     for name, (_, png, _) in figures.items():
         (out / f"{name}.png").write_bytes(png)
 
@@ -312,6 +377,8 @@ def build_report(
     parts.append(_records_table(last, target, int(top_k)))
     parts.append('<h2 id="summary">Per-round summary</h2>')
     parts.append('<div class="wide">' + summary.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0) + "</div>")
+    parts.append('<h2 id="diagnosis">Diagnosis: influence against advantage errors</h2>')
+    parts.append(_diagnosis_section(snapshots, target))
     if "trajectory_id" in last.arrays:
         parts.append(f'<h2 id="trajectories">Most harmful and most helpful trajectories of round {last.round}</h2>')
         parts.append(_trajectories_table(last, target, int(top_k)))
