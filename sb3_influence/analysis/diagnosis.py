@@ -208,7 +208,11 @@ def _record_keys(values: np.ndarray, n_records: int) -> np.ndarray:
 
 
 def monte_carlo_advantages(
-    observations: np.ndarray, actions: np.ndarray, rewards: np.ndarray, episode_starts: np.ndarray, gamma: float
+    observations: np.ndarray | dict[str, np.ndarray],
+    actions: np.ndarray,
+    rewards: np.ndarray,
+    episode_starts: np.ndarray,
+    gamma: float,
 ) -> np.ndarray:
     """
     The paper's in-buffer Monte-Carlo advantage ``Ā(s, a) = Q̄(s, a) - V̄(s)`` (App. B.4): ``Q̄`` averages the
