@@ -11,7 +11,7 @@ goes on with PPO's own update, untouched.
 One result file per env × seed (``benchmarks/results/intervention/<env>_seed<k>.json``), rewritten after every
 scheduled round; a complete file is skipped on a re-run, an incomplete one (a killed run) is redone.
 
-    nice -n 10 python benchmarks/intervention.py --envs FrozenLake Acrobot MiniGrid LunarLander --seeds 0 1 2
+    OMP_NUM_THREADS=1 nice python benchmarks/intervention.py --envs FrozenLake Acrobot MiniGrid LunarLander --seeds 0 1 2
     python benchmarks/intervention.py --summary    # docs/_static/img/intervention_*.png and the docs table
 """
 
@@ -33,7 +33,7 @@ SCHEDULE = {
     "FrozenLake": tuple(range(0, 20)),
     "Acrobot": tuple(range(0, 50, 4)),
     "MiniGrid": tuple(range(0, 40, 3)),
-    "LunarLander": tuple(range(0, 60, 6)),
+    "LunarLander": tuple(range(0, 60, 10)),
 }
 
 
@@ -106,6 +106,7 @@ def _bootstrap_ci(values: np.ndarray, rng: np.random.Generator, n: int = 2000) -
 
 
 def summary() -> None:
+    (DOCS / "guide" / "generated").mkdir(parents=True, exist_ok=True)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,7 +162,7 @@ def summary() -> None:
     figure.suptitle("Retraining one round without the negative records vs a random drop (cf. the paper's Fig. 5 / 11)")
     figure.savefig(DOCS / "_static" / "img" / "intervention_rounds.png", dpi=110)
     plt.close(figure)
-    (DOCS / "guide" / "intervention_table.md").write_text("\n".join(lines) + "\n")
+    (DOCS / "guide" / "generated" / "intervention_table.md").write_text("\n".join(lines) + "\n")
     cpu = sum(data.get("cpu_s", 0.0) for group in runs.values() for data in group)
     print(f"{sum(len(group) for group in runs.values())} result files, {cpu / 3600:.2f} CPU hours")
 
