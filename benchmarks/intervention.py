@@ -31,9 +31,9 @@ EPISODES = 100
 # Rounds intervened at (0 = the first rollout): as many as the CPU budget allows, spread over the learning phase
 SCHEDULE = {
     "FrozenLake": tuple(range(0, 20)),
-    "Acrobot": tuple(range(0, 50, 4)),
-    "MiniGrid": tuple(range(0, 40, 3)),
-    "LunarLander": tuple(range(0, 60, 10)),
+    "Acrobot": tuple(range(0, 50, 6)),
+    "MiniGrid": tuple(range(0, 40, 8)),
+    "LunarLander": tuple(range(0, 60, 15)),
 }
 
 
