@@ -1,5 +1,7 @@
 """InfluenceMaskablePPO: bit-identical to MaskablePPO, masks in log π exactly as the loss uses them, callbacks."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch as th
@@ -13,10 +15,14 @@ from conftest import (
     reference_log_prob_grads,
     reference_training_advantages,
 )
+from gymnasium import spaces
 from sb3_contrib import MaskablePPO
 from stable_baselines3.common.env_util import make_vec_env
+from test_optimizer_aware import brute_force as optimizer_aware_brute_force
+from test_optimizer_aware import float64_model, return_target
 
 from sb3_influence import AttributionCallback, IIFCallback, InfluenceMaskablePPO, InfluenceRolloutBuffer, load_snapshot
+from sb3_influence.analysis.intervention import target_value
 from sb3_influence.common.snapshots import load_snapshots
 from sb3_influence.maskable import InfluenceMaskableDictRolloutBuffer, InfluenceMaskableRolloutBuffer
 
@@ -174,3 +180,88 @@ def test_optimizer_aware_scores_and_training_unchanged():
     model = build(InfluenceMaskablePPO).learn(64, callback=[Replay(), IIFCallback(fraction=0.0, optimizer_aware=True)])
     assert params_equal(reference, model)
     assert np.isfinite(scores["replay"][0]).all() and np.abs(scores["replay"][0]).max() > 0
+
+
+# ---------------------------------------------------------------------- optimizer-aware scores, against brute force
+def maskable_loss(model, samples, advantages, clip_range, clip_range_vf, use_masks=True):
+    """MaskablePPO.train's loss per record, through sb3-contrib's ``evaluate_actions`` with each record's stored mask."""
+    actions = samples.actions.long().flatten() if isinstance(model.action_space, spaces.Discrete) else samples.actions
+    masks = samples.action_masks if use_masks else None
+    values, log_prob, entropy = model.policy.evaluate_actions(samples.observations, actions, action_masks=masks)
+    ratio = th.exp(log_prob - samples.old_log_prob)
+    policy_loss = -th.min(advantages * ratio, advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range))
+    values = values.flatten()
+    if clip_range_vf is not None:
+        values = samples.old_values + th.clamp(values - samples.old_values, -clip_range_vf, clip_range_vf)
+    return policy_loss - model.ent_coef * entropy + model.vf_coef * (samples.returns - values) ** 2
+
+
+def masked_float64_model(optimizer, action, **kwargs) -> InfluenceMaskablePPO:
+    model = float64_model(optimizer, algo=InfluenceMaskablePPO, env=make_masked_env("box", action), **kwargs)
+    buffer = model.rollout_buffer
+    assert not buffer.record_action_masks(np.arange(buffer.n_records)).all(), "the env must mask some actions"
+    return model
+
+
+CLIPPED = dict(max_grad_norm=0.05, clip_range=0.05, clip_range_vf=0.1)  # every step clipped, ratios leave the region
+
+
+# Layer scorers None: ghost dot products of the update's own passes; (): forward mode of record_losses for every parameter
+@pytest.mark.parametrize(
+    "optimizer, action, layer_scorers, kwargs",
+    [
+        ("sgd", "discrete", None, {}),
+        ("sgd", "multidiscrete", (), CLIPPED),
+        ("adam", "discrete", (), {"max_grad_norm": 1e9}),
+        ("adam", "multidiscrete", None, CLIPPED),
+        ("sgd-momentum", "multibinary", None, CLIPPED),
+    ],
+)
+def test_optimizer_aware_matches_brute_force_replay_with_masks(optimizer, action, layer_scorers, kwargs):
+    # (the default max_grad_norm=0.5 clips every step here; CLIPPED also activates the ratio and value clips)
+    model = masked_float64_model(optimizer, action, influence_layer_scorers=layer_scorers, **kwargs)
+    scores = model.compute_influence(optimizer_aware=True)
+    expected = optimizer_aware_brute_force(model, record_losses=maskable_loss)
+    assert np.abs(expected).max() > 0
+    np.testing.assert_allclose(scores, expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max())
+    # The masks matter: a replay that leaves them out of log π scores differently
+    unmasked = optimizer_aware_brute_force(model, record_losses=lambda *args: maskable_loss(*args, use_masks=False))
+    assert np.abs(unmasked - expected).max() > 1e-3 * np.abs(expected).max()
+
+
+def weighted_update_target(model, weights: np.ndarray) -> float:
+    """f after the real update (torch's optimizer, its clipping) on loss mean(w_i ℓ_i), ℓ_i from ``maskable_loss``."""
+    replay = copy.deepcopy(model)
+    params = list(replay.policy.parameters())
+    clip_range_vf = None if replay.clip_range_vf is None else replay.clip_range_vf(replay._current_progress_remaining)
+    weights = th.as_tensor(weights)
+
+    def reweight(info):
+        losses = maskable_loss(replay, info.samples, info.advantages, info.clip_range, clip_range_vf)
+        grads = th.autograd.grad((weights[info.record_ids] * losses).mean(), params, allow_unused=True)
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = th.zeros_like(param) if grad is None else grad
+        th.nn.utils.clip_grad_norm_(params, replay.max_grad_norm)
+
+    state = np.random.get_state()  # every replay draws the same later-epoch permutations
+    replay.update(step_hooks=[reweight])
+    np.random.set_state(state)
+    with th.no_grad():
+        return float(return_target(replay))
+
+
+@pytest.mark.parametrize("optimizer, kwargs", [("sgd", {}), ("adam", CLIPPED)])
+def test_unrolled_matches_finite_differences_of_the_weighted_update_with_masks(optimizer, kwargs):
+    model = masked_float64_model(optimizer, "multidiscrete", **kwargs)
+    scores = model.rollout_buffer.to_flat(model.compute_influence(optimizer_aware="unrolled"))
+    n = model.rollout_buffer.n_records
+    # At w = 1 the reference loss is the update's: the real update reaches the same target value (the package's f)
+    reference, state = copy.deepcopy(model), np.random.get_state()
+    reference.update()
+    np.random.set_state(state)
+    assert weighted_update_target(model, np.ones(n)) == pytest.approx(target_value(reference), rel=1e-10)
+    for record in (0, 17, n - 1):
+        step = np.zeros(n)
+        step[record] = 1e-4
+        slope = (weighted_update_target(model, 1 + step) - weighted_update_target(model, 1 - step)) / 2e-4
+        assert slope == pytest.approx(scores[record], rel=1e-4, abs=1e-10 * np.abs(scores).max())

@@ -33,13 +33,14 @@ OPTIMIZERS = {
 }
 
 
-def float64_model(optimizer: str, action: str = "discrete", **kwargs) -> InfluencePPO:
+def float64_model(optimizer: str, action: str = "discrete", algo=InfluencePPO, env=None, **kwargs) -> InfluencePPO:
+    """``algo`` in float64 on ``env`` (default: a box-observation env with ``action`` actions), one round trained."""
     optimizer_class, optimizer_kwargs = OPTIMIZERS[optimizer]
     params = dict(n_steps=48, batch_size=16, n_epochs=3, seed=0, ent_coef=0.01, learning_rate=optimizer_kwargs["lr"])
     params.update(kwargs)
-    model = InfluencePPO(
+    model = algo(
         "MlpPolicy",
-        make_env("box", action),
+        make_env("box", action) if env is None else env,
         policy_kwargs=dict(net_arch=[8], features_extractor_class=Float64Flatten),
         **params,
     )
@@ -52,24 +53,34 @@ def float64_model(optimizer: str, action: str = "discrete", **kwargs) -> Influen
     return model
 
 
-def return_target_gradient(model) -> dict:
-    """∇f_return at θ(k) by plain autograd, per parameter."""
+def return_target(model) -> th.Tensor:
+    """f_return = mean_j A_j log π_j over the buffer (log π masked by the stored action masks, if any)."""
     buffer = model.rollout_buffer
     obs = th.as_tensor(buffer.flat_field("observations"))
     actions = th.as_tensor(buffer.flat_field("actions")).long().flatten() if model.action_space.shape == () else None
     if actions is None:
         actions = th.as_tensor(buffer.flat_field("actions")).double()
-    _, log_prob, _ = model.policy.evaluate_actions(obs, actions)
+    masks = buffer.record_action_masks(np.arange(buffer.n_records))
+    masked = {} if masks is None else {"action_masks": masks}
+    _, log_prob, _ = model.policy.evaluate_actions(obs, actions, **masked)
     advantages = th.as_tensor(buffer.flat_field("advantages")).double()
-    f = (advantages * log_prob).mean()
+    return (advantages * log_prob).mean()
+
+
+def return_target_gradient(model) -> dict:
+    """∇f_return at θ(k) by plain autograd, per parameter."""
     params = [p for p in model.policy.parameters()]
-    grads = th.autograd.grad(f, params, allow_unused=True)
+    grads = th.autograd.grad(return_target(model), params, allow_unused=True)
     return {p: g for p, g in zip(params, grads, strict=True) if g is not None}
 
 
-def brute_force(model, second_moment: bool = False) -> np.ndarray:
-    """Replay the round; at every step, per-record autograd of the actual loss, the update map applied by hand."""
+def brute_force(model, second_moment: bool = False, record_losses=None) -> np.ndarray:
+    """
+    Replay the round; at every step, per-record autograd of the actual loss, the update map applied by hand.
+    ``record_losses(model, samples, advantages, clip_range, clip_range_vf)``: the per-record loss (default: the model's).
+    """
     replay = copy.deepcopy(model)
+    record_losses = record_losses or type(replay).record_losses
     v = return_target_gradient(replay)
     progress = replay._current_progress_remaining
     clip_range_vf = None if replay.clip_range_vf is None else replay.clip_range_vf(progress)
@@ -88,13 +99,15 @@ def brute_force(model, second_moment: bool = False) -> np.ndarray:
                 if p in grads:
                     u[p] = u_flat[offset : offset + p.numel()].reshape(p.shape)
                     offset += p.numel()
-        losses = replay.record_losses(info.samples, info.advantages, info.clip_range, clip_range_vf)
+        losses = record_losses(replay, info.samples, info.advantages, info.clip_range, clip_range_vf)
         for row, record in enumerate(info.record_ids):
             g_i = th.autograd.grad(losses[row] / len(losses), list(u), retain_graph=True, allow_unused=True)
             dot = sum(float((gi * u[p]).sum()) for gi, p in zip(g_i, u, strict=True) if gi is not None)
             scores[record] -= info.clip_coef * dot
 
+    state = np.random.get_state()  # the later epochs' permutations: the same at every call
     replay.update(step_hooks=[step])
+    np.random.set_state(state)
     return replay.rollout_buffer.to_records(scores)
 
 
