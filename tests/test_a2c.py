@@ -180,3 +180,17 @@ def test_optimizer_aware_matches_brute_force_replay(optimizer):
     scores = model.compute_influence(optimizer_aware=True)
     assert np.abs(expected).max() > 0
     np.testing.assert_allclose(scores, expected, rtol=1e-7, atol=1e-9 * np.abs(expected).max())
+
+
+def test_unrolled_is_refused_with_a_clear_error():
+    """The unrolled score replays PPO's loop: A2C says so before training, not with an AttributeError mid-run."""
+    from sb3_influence import AttributionCallback
+
+    model = InfluenceA2C("MlpPolicy", "CartPole-v1", n_steps=8, seed=0)
+    for callback in (IIFCallback(fraction=0.1, optimizer_aware="unrolled"), AttributionCallback(optimizer_aware="unrolled")):
+        with pytest.raises(ValueError, match="optimizer_aware=True"):
+            model.learn(16, callback=callback)
+    model.learn(8)
+    with pytest.raises(ValueError, match="unrolled"):
+        model.compute_influence("return", optimizer_aware="unrolled")
+    assert np.isfinite(model.compute_influence("return", optimizer_aware=True)).all()

@@ -240,8 +240,8 @@ def read_interventions(run_dir: str, run_id: str | None) -> tuple["pd.DataFrame"
 
     :param run_dir: The folder.
     :param run_id: Keep the files of this run only (``None``: all).
-    :return: ``(table, n_other)``: the rows of every matching file in round order, arms as written (empty if none), and how many
-        files of other runs were left out.
+    :return: ``(table, n_other)``: the rows of every matching file in round order, arms as written (empty if
+        none), and how many files of other runs were left out.
     """
     import pandas as pd
 

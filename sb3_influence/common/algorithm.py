@@ -47,6 +47,9 @@ class InfluenceAlgorithm:
     :meth:`update`.
     """
 
+    # Whether ``optimizer_aware="unrolled"`` can replay this algorithm's update (PPO's clipped-surrogate loop can)
+    unrolled_update: bool = False
+
     # Provided by the SB3 algorithm the mixin is combined with
     policy: Any
     rollout_buffer: InfluenceRolloutBuffer | InfluenceDictRolloutBuffer
@@ -295,6 +298,18 @@ class InfluenceAlgorithm:
                     normalized[ids] = advantages
         return normalized.numpy().astype(np.float64)
 
+    def check_optimizer_aware(self, optimizer_aware: Any) -> None:
+        """
+        Raise ``ValueError`` when this algorithm cannot compute the asked optimizer-aware score.
+
+        :param optimizer_aware: ``False``, ``True`` or ``"unrolled"``.
+        """
+        if optimizer_aware == "unrolled" and not self.unrolled_update:
+            raise ValueError(
+                f"optimizer_aware='unrolled' replays PPO's clipped-surrogate update, which {type(self).__name__} does not "
+                "run; use optimizer_aware=True (the in-run optimizer-aware score) instead"
+            )
+
     def compute_influence(
         self,
         target: str | Target = "return",
@@ -362,6 +377,7 @@ class InfluenceAlgorithm:
             raise ValueError(f"target_gradient must be 'fixed' or 'step', got {target_gradient!r}")
         if optimizer_aware not in (False, True, "unrolled"):
             raise ValueError(f"optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}")
+        self.check_optimizer_aware(optimizer_aware)
         request = ScoreRequest(as_target(target), checkpoints, optimizer_aware=optimizer_aware)
         if target_gradient == "step":
             # Not cached with the fixed-gradient scores: a different quantity

@@ -161,6 +161,7 @@ class IIFCallback(RoundCallback):
             seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
         self._seed_entropy = int(seed) % 2**63
         check_target(self.target, self.model.observation_space, self.model.action_space)
+        self.model.check_optimizer_aware(self.optimizer_aware)
 
     def round_rng(self, round_: InfluenceRound) -> np.random.Generator:
         """The generator of the random rules for a round (model seed + round index)."""
@@ -275,6 +276,7 @@ class AttributionCallback(RoundCallback):
         super()._init_callback()
         for target in self.targets:
             check_target(target, self.model.observation_space, self.model.action_space)
+        self.model.check_optimizer_aware(self.optimizer_aware)
         if self.save_dir is not None:
             try:
                 os.makedirs(self.save_dir, exist_ok=True)

@@ -24,6 +24,8 @@ from sb3_influence.common.round import CapturingStepHook, StepHook, StepInfo
 class ClippedSurrogateUpdate:
     """PPO's update loop and its per-record loss (see the module docstring)."""
 
+    unrolled_update = True  # the unrolled (hypergradient) score replays exactly this loop
+
     # Provided by the PPO-like SB3 algorithm the mixin is combined with
     policy: Any
     rollout_buffer: Any
