@@ -317,6 +317,11 @@ def main() -> None:
     parser.add_argument("--minigrid", action="store_true", help="the MiniGrid bottom-record inspection instead")
     parser.add_argument("--summary", action="store_true", help="write the docs table and figures from the result files")
     args = parser.parse_args()
+    import torch as th
+
+    # One torch thread: the networks are small, and several benchmarks share the cores (more threads oversubscribe
+    # them and run ~10x slower)
+    th.set_num_threads(1)
     if args.summary:
         summary()
         return

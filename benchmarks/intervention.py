@@ -155,8 +155,10 @@ def summary() -> None:
         def share(mask: np.ndarray) -> str:
             return f"{100 * mask.mean():.0f} % ({mask.sum()}/{mask.size})" if mask.size else "n/a"
 
+        unfinished = sum(not data.get("complete") for data in runs[env])
+        seeds = f"{len(runs[env])}" + (f" ({unfinished} unfinished)" if unfinished else "")
         lines.append(
-            f"| {env} | {len(runs[env])} | {len(rows)} | {share(negatives > 0)} | {share(random > 0)} | {share(improves)} | "
+            f"| {env} | {seeds} | {len(rows)} | {share(negatives > 0)} | {share(random > 0)} | {share(improves)} | "
             f"{share(negatives[improves] > 0)} | {share(negatives[~improves] > 0)} |"
         )
     figure.suptitle("Retraining one round without the negative records vs a random drop (cf. the paper's Fig. 5 / 11)")
@@ -173,6 +175,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--summary", action="store_true", help="write the docs figure and table from the result files")
     args = parser.parse_args()
+    import torch as th
+
+    # One torch thread: the networks are small, and several benchmarks share the cores (more threads oversubscribe
+    # them and run ~10x slower)
+    th.set_num_threads(1)
     if args.summary:
         summary()
         return
