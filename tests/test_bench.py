@@ -471,7 +471,7 @@ def test_iif_aware_arm_runs_only_in_the_adam_settings(capsys):
     with pytest.raises(ValueError, match=r"arm 'iif-aware' applies to none of the settings asked for \(sgd\): it runs in "
                        r"adam3e-4, adam1e-3, sb3 only"):  # fmt: skip
         bench.grid(["CartPole"], ["ppo", "iif-aware"], [0], settings=["sgd"])
-    with pytest.raises(ValueError, match="iif-aware.*--settings"):
+    with pytest.raises(ValueError, match=r"iif-aware.*--settings"):
         bench.grid(["FrozenLake"], ["iif-aware"], [0])  # FrozenLake's protocol is SGD only
     with pytest.raises(ValueError, match="applies to none"):
         bench.main(["run", "--envs", "FrozenLake", "--arms", "iif-aware", "--out", "/nonexistent"])
@@ -566,7 +566,8 @@ def test_docs_page_with_an_arm_that_applies_to_some_cells(tmp_path):
     assert "| MiniGrid adam1e-3 | iif-aware | 2 |" in text and "| MiniGrid sgd | iif-aware" not in text
     assert "| MiniGrid adam1e-3 | iif-aware | **" in text and "| MiniGrid sb3 | iif-aware | incomplete (0/2 seeds)" in text
     # Aggregates: the three arms over both complete cells, then iif-aware over the cell where it applies
-    aggregate = text[text.index("Tasks: MiniGrid sgd, MiniGrid adam1e-3 (2 seeds each).") : text.index("| cell | arm | reading")]
+    start = text.index("Tasks: MiniGrid sgd, MiniGrid adam1e-3 (2 seeds each).")
+    aggregate = text[start : text.index("| cell | arm | reading")]
     common, restricted = aggregate.split("iif-aware (only where it applies). Tasks: MiniGrid adam1e-3 (2 seeds each).")
     assert "| curve | iif > ppo |" in common and "| curve | iif > random |" in common and "iif-aware" not in common
     assert "| curve | iif-aware |" in restricted and "| curve | iif > ppo |" not in restricted
