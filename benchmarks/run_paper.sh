@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The grid behind docs/benchmarks.md: the paper's six environments with their optimizer settings, arms ppo, iif and
-# random, seeds 0-4, 100 vectorised evaluation episodes (see sb3_influence/bench/harness.py). Cheapest cells first.
+# The grid behind docs/benchmarks.md: the paper's six environments with their optimizer settings, arms ppo, iif,
+# random and (in the Adam settings only) iif-aware, seeds 0-4, 100 vectorised evaluation episodes (see
+# sb3_influence/bench/harness.py). Cheapest cells first.
 # Finished runs are skipped; an interrupted run resumes from its last 10-round checkpoint in benchmarks/results/grid/raw/.
 # Ray dispatches the runs when it is installed (pip install torch==2.13.0 -e ".[distributed]"); add --address to use a cluster.
 set -euo pipefail

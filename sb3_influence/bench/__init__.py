@@ -3,13 +3,13 @@
 Hu et al., "A Snapshot of Influence" (arXiv 2505.19281), Sec. 5, over a grid of environment × optimizer setting ×
 arm × seed.
 
-Every run trains one arm (:data:`ARMS`: ``ppo``, ``iif``, ``random``) on one environment with one optimizer
-setting (:data:`SETTINGS`) and one seed, round by round (one round = one rollout of ``n_steps * n_envs`` records +
-one PPO update), evaluates the stochastic policy every ``eval_every`` rounds and writes its per-round results to
-``<out>/<env>/<setting>/<arm>_seed<seed>.json`` as it goes. Arms with the same seed start from identical initial
-weights (the harness stores a hash of them in every result file and :func:`summarize` checks it). Finished runs
-are skipped when the command is run again; an unfinished run resumes from its last checkpoint in ``<out>/raw/``.
-Runs are dispatched by Ray (optional extra ``distributed``) or a local process pool.
+Every run trains one arm (:data:`ARMS`: ``ppo``, ``iif``, ``random``, and ``iif-aware`` in the Adam settings) on
+one environment with one optimizer setting (:data:`SETTINGS`) and one seed, round by round (one round = one rollout
+of ``n_steps * n_envs`` records + one PPO update), evaluates the stochastic policy every ``eval_every`` rounds and
+writes its per-round results to ``<out>/<env>/<setting>/<arm>_seed<seed>.json`` as it goes. Arms with the same seed
+start from identical initial weights (the harness stores a hash of them in every result file and :func:`summarize`
+checks it). Finished runs are skipped when the command is run again; an unfinished run resumes from its last
+checkpoint in ``<out>/raw/``. Runs are dispatched by Ray (optional extra ``distributed``) or a local process pool.
 
 The speed-up metrics (:func:`first_round`, :func:`ppo_levels`, :func:`speedup_metrics`) are the paper's (Sec. 5):
 ``m(v)`` is the first round whose test return is ``>= v``, ``Reduction(v) = 1 - m_IIF(v) / m_PPO(v)``, SE_ave is
@@ -44,6 +44,7 @@ from sb3_influence.bench.protocol import (
     EnvSpec,
     OptimizerSetting,
     Variant,
+    arms_for,
     cell_name,
     result_path,
     run_kwargs,
@@ -65,6 +66,7 @@ __all__ = [
     "Job",
     "OptimizerSetting",
     "Variant",
+    "arms_for",
     "bootstrap_ci",
     "cell_directory",
     "cell_name",
@@ -117,6 +119,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _grid_arguments(parser: argparse.ArgumentParser) -> None:
+    restricted = "; ".join(f"{name}: {' '.join(arm.settings)}" for name, arm in ARMS.items() if arm.settings is not None)
     parser.add_argument(
         "--envs",
         nargs="+",
@@ -134,7 +137,13 @@ def _grid_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"optimizer settings, from {', '.join(SETTINGS)}; default: each environment's own protocol settings",
     )
     parser.add_argument(
-        "--arms", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM", help=f"arms, from {', '.join(ARMS)}"
+        "--arms",
+        nargs="+",
+        default=None,
+        choices=list(ARMS),
+        metavar="ARM",
+        help=f"arms, from {', '.join(ARMS)}; default: every arm, each in the optimizer settings it applies to "
+        f"({restricted}; the others: all)",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="seeds")
     parser.add_argument(

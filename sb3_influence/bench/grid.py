@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from sb3_influence.bench.harness import run_config, run_one, write_json
-from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, check_names, result_path
+from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, arms_for, check_names, result_path
 from sb3_influence.common.progress import Progress
 
 # Seconds between two looks at the result files of the running runs (while waiting for a run to end)
@@ -58,7 +58,7 @@ class Job:
 
 def grid(
     envs: Sequence[str] = PAPER_ENVS,
-    arms: Sequence[str] = tuple(ARMS),
+    arms: Sequence[str] | None = None,
     seeds: Sequence[int] = (0, 1, 2, 3, 4),
     settings: Sequence[str] | None = None,
     variants: Sequence[str] = (),
@@ -66,11 +66,15 @@ def grid(
     eval_episodes: int = 100,
 ) -> list[Job]:
     """
-    The jobs of a grid, environment by environment and setting by setting; within a cell PPO and IIF of every
-    seed before the other arms (so that paired results come first).
+    The jobs of a grid, environment by environment and setting by setting; within a cell PPO and the arms compared
+    with it (``"ppo"`` in their ``Arm.versus``: IIF, optimizer-aware IIF) of every seed before the other arms (so
+    that paired results come first). Each arm runs only in the settings it applies
+    to (:func:`~sb3_influence.bench.protocol.arms_for`): an arm restricted to the Adam settings has no job in an
+    SGD cell.
 
     :param envs: Keys of :data:`~sb3_influence.bench.harness.ENVS`.
-    :param arms: Keys of :data:`~sb3_influence.bench.harness.ARMS`.
+    :param arms: Keys of :data:`~sb3_influence.bench.harness.ARMS`; ``None``: every arm, each in the settings it
+        applies to.
     :param seeds: Seeds.
     :param settings: Keys of :data:`~sb3_influence.bench.harness.SETTINGS`; ``None``: each environment's own
         protocol settings (``EnvSpec.settings``).
@@ -78,21 +82,32 @@ def grid(
     :param rounds: Rounds per run (default: each cell's budget).
     :param eval_episodes: Evaluation episodes.
     :return: The jobs.
+    :raises ValueError: For unknown names, no seeds, or an arm given in ``arms`` that applies to none of the cells
+        asked for (it would have no job at all).
     """
-    check_names(envs=envs, settings=settings or (), arms=arms, variants=variants)
+    check_names(envs=envs, settings=settings or (), arms=arms or (), variants=variants)
     if not seeds:
         raise ValueError("seeds is empty: give at least one seed, e.g. --seeds 0 1 2 3 4")
-    order = sorted(dict.fromkeys(arms), key=list(ARMS).index)
-    first, rest = [a for a in order if a in ("ppo", "iif")], [a for a in order if a not in ("ppo", "iif")]
     jobs = []
     for env in envs:
         for setting in ENVS[env].settings if settings is None else settings:
+            applicable = arms_for(setting, arms)
+            first = [a for a in applicable if a == "ppo" or "ppo" in ARMS[a].versus]
+            rest = [a for a in applicable if a not in first]
             for group in (first, rest):
                 jobs += [
                     Job(env, setting, arm, seed, tuple(sorted(variants)), rounds, eval_episodes)
                     for seed in seeds
                     for arm in group
                 ]
+    for arm in dict.fromkeys(arms or ()):
+        if not any(job.arm == arm for job in jobs):
+            asked = sorted({s for env in envs for s in (ENVS[env].settings if settings is None else settings)})
+            raise ValueError(
+                f"arm {arm!r} applies to none of the settings asked for ({', '.join(asked)}): it runs in "
+                f"{', '.join(ARMS[arm].settings or ())} only (ARMS[{arm!r}].settings); add one of those settings "
+                f"(--settings), or leave {arm!r} out of the arms"
+            )
     for job in jobs:  # validates rounds and eval_episodes before anything runs
         run_config(job.env, job.setting, job.arm, job.seed, job.variants, job.rounds, job.eval_episodes)
     return jobs

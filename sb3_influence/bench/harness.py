@@ -22,6 +22,7 @@ from sb3_influence.bench.protocol import (
     VARIANTS,
     EnvSpec,
     cell_name,
+    check_applies,
     check_names,
     result_path,
     run_kwargs,
@@ -163,9 +164,16 @@ def run_config(
     rounds: int | None = None,
     eval_episodes: int = 100,
 ) -> dict[str, Any]:
-    """Everything that determines a run, as stored in its result file (a finished run with the same config is
-    skipped)."""
+    """
+    Everything that determines a run, as stored in its result file (a finished run with the same config is
+    skipped). An arm's ``iif_kwargs`` are recorded only when it has some, so that the configs of the arms without
+    them stay what they were.
+
+    :raises ValueError: For an unknown name, an arm that does not apply to ``setting`` (``Arm.settings``), or
+        ``rounds`` / ``eval_episodes`` below 1.
+    """
     check_names(envs=[env], settings=[setting], arms=[arm], variants=variants)
+    check_applies(arm, setting)
     spec = ENVS[env]
     kwargs = run_kwargs(spec, setting, variants)
     if rounds is not None:
@@ -174,6 +182,7 @@ def run_config(
         raise ValueError(
             f"rounds and eval_episodes must be >= 1, got rounds={kwargs['rounds']}, eval_episodes={eval_episodes}"
         )
+    extra = {"iif_kwargs": dict(ARMS[arm].iif_kwargs)} if ARMS[arm].iif_kwargs else {}
     return {
         "env": env,
         "env_id": spec.env_id,
@@ -181,6 +190,7 @@ def run_config(
         "variants": sorted(variants),
         "arm": arm,
         "rule": ARMS[arm].rule,
+        **extra,
         "seed": seed,
         "fraction": spec.fraction,
         "eval_episodes": "exact" if spec.exact_eval else eval_episodes,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from sb3_influence.bench.grid import Job, cpu_hours, grid
-from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, SETTINGS, run_kwargs
+from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, SETTINGS, arms_for, run_kwargs
 from sb3_influence.bench.summary import load_runs, markdown_table, percent, plot, summarize
 
 # The paper's IIF numbers (Hu et al. 2025): SE_ave, SE_peak, RT_peak as (mean, s.e.) in percent (Sec. 5 main
@@ -64,7 +64,8 @@ BLOCKS = (
 
 
 class _Cell:
-    """One environment × setting (× variants) folder of results, and how complete it is."""
+    """One environment × setting (× variants) folder of results, its arms (those that apply to its setting) and how
+    complete it is."""
 
     def __init__(self, out: str, env: str, name: str, seeds: Sequence[int], legacy: bool = False):
         self.env, self.name, self.legacy = env, name, legacy
@@ -72,17 +73,20 @@ class _Cell:
         self.runs = load_runs(self.directory)
         self.seeds = list(seeds)
         self.label = f"{env}" if legacy else f"{env} {name}"
+        # The superseded protocol ran the SGD setting
+        self.arms = arms_for("sgd" if legacy else name)
 
     def complete_seeds(self, arm: str) -> list[int]:
         return sorted(set(self.runs.get(arm, {})) & set(self.seeds))
 
     @property
     def complete(self) -> bool:
-        return all(len(self.complete_seeds(arm)) == len(self.seeds) for arm in ARMS)
+        return all(len(self.complete_seeds(arm)) == len(self.seeds) for arm in self.arms)
 
     @property
     def paired(self) -> bool:
-        return bool(set(self.complete_seeds("ppo")) & set().union(*(self.complete_seeds(a) for a in ARMS if a != "ppo")))
+        others = (self.complete_seeds(a) for a in self.arms if a != "ppo")
+        return bool(set(self.complete_seeds("ppo")) & set().union(*others))
 
     def row(self) -> tuple[str, str, str]:
         return (self.label, self.directory, self.env)
@@ -102,7 +106,7 @@ def _cells(out: str, seeds: Sequence[int]) -> list[_Cell]:
 
 def _jobs(cell: _Cell) -> list[Job]:
     setting, *variants = cell.name.split("+")
-    return grid([cell.env], list(ARMS), cell.seeds, [setting], variants)
+    return grid([cell.env], list(cell.arms), cell.seeds, [setting], variants)
 
 
 def _partial(cell: _Cell, arm: str) -> str:
@@ -132,7 +136,7 @@ def _status(cells: list[_Cell], out: str) -> str:
         hours = cpu_hours(_jobs(cell), out)
         lines.append(
             f"| {cell.env} | {cell.name} | {rounds} | "
-            + " | ".join(_partial(cell, arm) for arm in ARMS)
+            + " | ".join(_partial(cell, arm) if arm in cell.arms else "—" for arm in ARMS)
             + f" | {hours:.2f} | {state} |"
         )
     return "\n".join(lines)
@@ -142,13 +146,19 @@ def _any_file(cell: _Cell) -> bool:
     return os.path.isdir(cell.directory) and any(name.endswith(".json") for name in os.listdir(cell.directory))
 
 
+def _arm_cost(arm: str) -> float:
+    """An arm's :attr:`~sb3_influence.bench.protocol.Arm.cost` (1 for a name no longer in :data:`ARMS`)."""
+    return ARMS[arm].cost if arm in ARMS else 1.0
+
+
 def _run_cost(cell: _Cell, probes: dict[str, Any]) -> tuple[float, str]:
-    """CPU hours of one run of a cell and where the number comes from."""
+    """CPU hours of one run of a cell by an arm of cost 1 (runs of costlier arms are divided by their cost) and
+    where the number comes from."""
     import json
 
     finished = [
-        r["total_cpu_time"]
-        for runs in cell.runs.values()
+        r["total_cpu_time"] / _arm_cost(arm)
+        for arm, runs in cell.runs.items()
         for r in runs.values()
         if "total_cpu_time" in r and "reused_from" not in r
     ]
@@ -161,7 +171,8 @@ def _run_cost(cell: _Cell, probes: dict[str, Any]) -> tuple[float, str]:
                 result = json.load(file)
             done = result["rows"][-1]["round"]
             if done and "total_cpu_time" in result:
-                partial.append(result["total_cpu_time"] / done * result["config"]["rounds"])
+                cost = _arm_cost(result["config"]["arm"])
+                partial.append(result["total_cpu_time"] / done * result["config"]["rounds"] / cost)
     if partial:
         return float(np.mean(partial)) / 3600, f"extrapolated from {len(partial)} unfinished runs"
     probe = probes.get(f"{cell.env} {cell.name}")
@@ -173,6 +184,12 @@ def _run_cost(cell: _Cell, probes: dict[str, Any]) -> tuple[float, str]:
     return float("nan"), "not measured"
 
 
+def _arms_cell(cell: _Cell) -> str:
+    """The number of arms of a cell, and the arms that count as more than one run."""
+    costly = [f"{arm} ×{ARMS[arm].cost:g}" for arm in cell.arms if ARMS[arm].cost != 1]
+    return f"{len(cell.arms)}" + (f" ({', '.join(costly)})" if costly else "")
+
+
 def _cost(cells: list[_Cell], probe_path: str) -> str:
     import json
 
@@ -181,19 +198,20 @@ def _cost(cells: list[_Cell], probe_path: str) -> str:
         with open(probe_path) as file:
             probes = json.load(file)["cells"]
     lines = [
-        f"| env | setting | CPU h per run | CPU h per cell ({len(ARMS)} arms × {len(cells[0].seeds)} seeds) | source |",
-        "|---|---|---|---|---|",
+        f"| env | setting | CPU h per run | arms | CPU h per cell (arms × {len(cells[0].seeds)} seeds) | source |",
+        "|---|---|---|---|---|---|",
     ]
     total = 0.0
     for cell in cells:
         per_run, source = _run_cost(cell, probes)
-        per_cell = per_run * len(ARMS) * len(cell.seeds)
+        per_cell = per_run * sum(_arm_cost(arm) for arm in cell.arms) * len(cell.seeds)
         total += per_cell if np.isfinite(per_cell) else 0.0
-        shown = f"{per_run:.2f} | {per_cell:.1f}" if np.isfinite(per_run) else "— | —"
+        arms = _arms_cell(cell)
+        shown = f"{per_run:.2f} | {arms} | {per_cell:.1f}" if np.isfinite(per_run) else f"— | {arms} | —"
         lines.append(f"| {cell.env} | {cell.name} | {shown} | {source} |")
     unmeasured = sum(not np.isfinite(_run_cost(cell, probes)[0]) for cell in cells)
     bound = f"≥ {total:.0f} ({unmeasured} cells not measured)" if unmeasured else f"{total:.0f}"
-    lines.append(f"| **all** | | | **{bound}** | |")
+    lines.append(f"| **all** | | | | **{bound}** | |")
     return "\n".join(lines)
 
 
@@ -234,17 +252,41 @@ def _paper(cells: list[_Cell]) -> str:
     return "\n".join(lines)
 
 
-def _scores(cells: list[_Cell], kind: str) -> dict[str, np.ndarray]:
+def _scores(cells: list[_Cell], kind: str, arms: Sequence[str]) -> dict[str, np.ndarray]:
     from sb3_influence.bench.stats import normalized_score
 
     seeds = cells[0].seeds
     return {
-        arm: np.array([[normalized_score(c.runs[arm][seed], c.env, kind) for c in cells] for seed in seeds]) for arm in ARMS
+        arm: np.array([[normalized_score(c.runs[arm][seed], c.env, kind) for c in cells] for seed in seeds]) for arm in arms
     }
 
 
+def _aggregate_groups(complete: list[_Cell]) -> list[tuple[list[_Cell], tuple[str, ...], tuple[str, ...]]]:
+    """
+    The task sets of the aggregate statistics: all complete cells with the arms that apply to every one of them,
+    then, for the arms that apply to only some, the cells where they apply (arms with the same cells together).
+
+    :return: ``(cells, arms, new)`` per task set: its cells, the arms that apply to all of them, and the arms whose
+        comparisons (``Arm.versus``) it reports (all of them in the first set, the restricted ones after).
+    """
+    common = tuple(arm for arm in ARMS if all(arm in cell.arms for cell in complete))
+    groups = [(complete, common, common)]
+    by_cells: dict[tuple[str, ...], list[str]] = {}
+    for arm in ARMS:
+        if arm not in common:
+            where = tuple(cell.label for cell in complete if arm in cell.arms)
+            if where:
+                by_cells.setdefault(where, []).append(arm)
+    for labels, new in by_cells.items():
+        subset = [cell for cell in complete if cell.label in labels]
+        arms = tuple(arm for arm in ARMS if all(arm in cell.arms for cell in subset))
+        groups.append((subset, arms, tuple(new)))
+    return groups
+
+
 def _aggregate(cells: list[_Cell], figures: str, relative: str, name: str, title: str) -> str:
-    """rliable's IQM, optimality gap, probability of improvement and profiles over the complete cells."""
+    """rliable's IQM, optimality gap, probability of improvement and profiles over the complete cells; an arm that
+    applies to only some of them (``Arm.settings``) gets its own task set, the cells where it applies."""
     from rliable.metrics import probability_of_improvement as task_poi
 
     from sb3_influence.bench.stats import aggregate_metrics, plot_aggregates, probability_of_improvement
@@ -252,49 +294,60 @@ def _aggregate(cells: list[_Cell], figures: str, relative: str, name: str, title
     complete = [cell for cell in cells if cell.complete]
     if not complete:
         return "*No cell is complete yet: no aggregate statistics.*"
-    table = ["| score | arm | IQM [95 % CI] | optimality gap [95 % CI] |", "|---|---|---|---|"]
-    poi = ["| score | comparison | P(X > Y) over all tasks [95 % CI] | per task |", "|---|---|---|---|"]
-    images = []
     labels = {arm: spec.label for arm, spec in ARMS.items()}
     colors = {arm: spec.color for arm, spec in ARMS.items()}
-    for kind in ("curve", "final"):
-        scores = _scores(complete, kind)
-        aggregates = aggregate_metrics(scores)
-        for arm, entry in aggregates.items():
-            iqm, gap = entry["iqm"], entry["optimality_gap"]
-            table.append(
-                f"| {kind} | {arm} | {iqm['value']:.3f} [{iqm['ci'][0]:.3f}, {iqm['ci'][1]:.3f}] | "
-                f"{gap['value']:.3f} [{gap['ci'][0]:.3f}, {gap['ci'][1]:.3f}] |"
-            )
-        for other in [arm for arm in ARMS if arm != "iif"]:
-            overall = probability_of_improvement(scores["iif"], scores[other])
-            per_task = ", ".join(
-                f"{cell.label} {task_poi(scores['iif'][:, [i]], scores[other][:, [i]]):.2f}" for i, cell in enumerate(complete)
-            )
-            low, high = overall["ci"]
-            poi.append(f"| {kind} | iif > {other} | {overall['value']:.2f} [{low:.2f}, {high:.2f}] | {per_task} |")
-        path = os.path.join(figures, f"{name}_{kind}.png")
-        plot_aggregates(aggregates, scores, labels, colors, path, f"{title}: {kind} score")
-        images.append(f"![{title}, {kind} score]({relative}/{name}_{kind}.png)")
-    tasks = f"Tasks: {', '.join(cell.label for cell in complete)} ({len(complete[0].seeds)} seeds each)."
-    return "\n".join([tasks, "", *table, "", *poi, "", "\n\n".join(images)])
+    blocks = []
+    for number, (tasks, arms, new) in enumerate(_aggregate_groups(complete)):
+        table = ["| score | arm | IQM [95 % CI] | optimality gap [95 % CI] |", "|---|---|---|---|"]
+        poi = ["| score | comparison | P(X > Y) over all tasks [95 % CI] | per task |", "|---|---|---|---|"]
+        images = []
+        stem = name if number == 0 else f"{name}_{'_'.join(new)}"
+        heading = title if number == 0 else f"{title}, {', '.join(labels[arm] for arm in new)}"
+        for kind in ("curve", "final"):
+            scores = _scores(tasks, kind, arms)
+            aggregates = aggregate_metrics(scores)
+            for arm, entry in aggregates.items():
+                iqm, gap = entry["iqm"], entry["optimality_gap"]
+                table.append(
+                    f"| {kind} | {arm} | {iqm['value']:.3f} [{iqm['ci'][0]:.3f}, {iqm['ci'][1]:.3f}] | "
+                    f"{gap['value']:.3f} [{gap['ci'][0]:.3f}, {gap['ci'][1]:.3f}] |"
+                )
+            for better, other in [(a, other) for a in new for other in ARMS[a].versus if other in arms]:
+                overall = probability_of_improvement(scores[better], scores[other])
+                per_task = ", ".join(
+                    f"{cell.label} {task_poi(scores[better][:, [i]], scores[other][:, [i]]):.2f}"
+                    for i, cell in enumerate(tasks)
+                )
+                low, high = overall["ci"]
+                poi.append(f"| {kind} | {better} > {other} | {overall['value']:.2f} [{low:.2f}, {high:.2f}] | {per_task} |")
+            path = os.path.join(figures, f"{stem}_{kind}.png")
+            plot_aggregates(aggregates, scores, labels, colors, path, f"{heading}: {kind} score")
+            images.append(f"![{heading}, {kind} score]({relative}/{stem}_{kind}.png)")
+        where = f"Tasks: {', '.join(cell.label for cell in tasks)} ({len(tasks[0].seeds)} seeds each)."
+        if number:
+            where = f"{', '.join(new)} (only where it applies). " + where
+        blocks.append("\n".join([where, "", *table, "", *poi, "", "\n\n".join(images)]))
+    return "\n\n".join(blocks)
 
 
 def _reading(cells: list[_Cell]) -> str:
-    lines = ["| cell | reading (IIF vs PPO) | SE_ave [95 % CI] | final gain [95 % CI] |", "|---|---|---|---|"]
+    """Per cell and arm compared with PPO (``"ppo"`` in its ``Arm.versus``): faster, slower or no clear difference."""
+    lines = ["| cell | arm | reading (vs PPO) | SE_ave [95 % CI] | final gain [95 % CI] |", "|---|---|---|---|---|"]
     for cell in cells:
-        entry = summarize(cell.directory, cell.env).get("iif") if cell.complete else None
-        if entry is None:
-            done = len(cell.complete_seeds("iif"))
-            lines.append(f"| {cell.label} | incomplete ({done}/{len(cell.seeds)} seeds): no reading yet | — | — |")
-            continue
-        low, high = entry["se_ave"]["ci"]
-        verdict = "faster" if low > 0 else ("slower" if high < 0 else "no clear difference")
-        gain = entry["final_gain"]
-        lines.append(
-            f"| {cell.label} | **{verdict}** | {100 * entry['se_ave']['mean']:.1f} % [{100 * low:.1f}, "
-            f"{100 * high:.1f}] | {gain['mean']:+.3g} [{gain['ci'][0]:+.3g}, {gain['ci'][1]:+.3g}] |"
-        )
+        summary = summarize(cell.directory, cell.env) if cell.complete else {}
+        for arm in [arm for arm in cell.arms if "ppo" in ARMS[arm].versus]:
+            entry = summary.get(arm)
+            if entry is None:
+                done = len(cell.complete_seeds(arm))
+                lines.append(f"| {cell.label} | {arm} | incomplete ({done}/{len(cell.seeds)} seeds): no reading yet | — | — |")
+                continue
+            low, high = entry["se_ave"]["ci"]
+            verdict = "faster" if low > 0 else ("slower" if high < 0 else "no clear difference")
+            gain = entry["final_gain"]
+            lines.append(
+                f"| {cell.label} | {arm} | **{verdict}** | {100 * entry['se_ave']['mean']:.1f} % [{100 * low:.1f}, "
+                f"{100 * high:.1f}] | {gain['mean']:+.3g} [{gain['ci'][0]:+.3g}, {gain['ci'][1]:+.3g}] |"
+            )
     return "\n".join(lines)
 
 

@@ -168,23 +168,77 @@ class Arm:
     :param label: Name in tables and plots.
     :param color: Matplotlib colour of its curves.
     :param iif_kwargs: Further ``IIFCallback`` keyword arguments (e.g. another ``target``); the drop fraction is
-        the environment's ``p``.
+        the environment's ``p``. Recorded in the run's config when not empty.
+    :param settings: Keys of :data:`SETTINGS` the arm runs in; ``None``: every setting. The grid, the status table,
+        the cost estimates and the statistics of a cell use only the arms that apply to its setting
+        (:func:`arms_for`).
+    :param versus: Arms it is claimed to beat: the aggregate statistics report ``P(this > other)`` for each, over
+        the cells where both apply.
+    :param cost: CPU time of one of its runs relative to a run of an arm without scoring overhead of its own (1
+        for PPO, IIF and random), for the cost estimates of cells where it has not run yet. Evaluations cost the
+        same in every arm, so a training-round ratio is an upper bound.
     """
 
     rule: str | None
     label: str
     color: str = "tab:gray"
-    iif_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    iif_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    settings: tuple[str, ...] | None = None
+    versus: tuple[str, ...] = ()
+    cost: float = 1.0
+
+    def applies_to(self, setting: str) -> bool:
+        """Whether the arm runs in the optimizer setting ``setting`` (a key of :data:`SETTINGS`)."""
+        return self.settings is None or setting in self.settings
 
 
-# Add an arm here (e.g. IIF with an optimizer-aware score through ``iif_kwargs``); nothing else needs to change
+# The optimizer settings whose optimizer is not plain SGD (where an optimizer-aware score can differ from the
+# paper's SGD proxy)
+_ADAM_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.optimizer != "sgd")
+
+# Add an arm here; nothing else needs to change
 ARMS: Mapping[str, Arm] = MappingProxyType(
     {
         "ppo": Arm(None, "PPO", "tab:blue"),
-        "iif": Arm("neg-bottom", "IIF", "tab:red"),
+        "iif": Arm("neg-bottom", "IIF", "tab:red", versus=("ppo", "random")),
         "random": Arm("random", "random filter", "tab:gray"),
+        # The issues' question: does ranking by the optimizer-aware score instead of the SGD proxy help under Adam?
+        "iif-aware": Arm(
+            "neg-bottom",
+            "IIF (optimizer-aware)",
+            "tab:purple",
+            iif_kwargs=MappingProxyType({"optimizer_aware": True}),
+            settings=_ADAM_SETTINGS,
+            versus=("iif", "ppo"),
+            cost=2.0,
+        ),
     }
 )
+
+
+def arms_for(setting: str, arms: Sequence[str] | None = None) -> tuple[str, ...]:
+    """
+    The arms that run in an optimizer setting, in :data:`ARMS` order: every consumer of the grid (jobs, status,
+    cost estimates, statistics, plots) asks this.
+
+    :param setting: A key of :data:`SETTINGS`, or a cell name with variants (``"sgd+drop-partial"``).
+    :param arms: Only these keys of :data:`ARMS` (default: all).
+    :return: The keys of the arms of ``arms`` that apply to ``setting``.
+    """
+    base = setting.split("+")[0]
+    check_names(settings=[base], arms=arms or ())
+    wanted = ARMS if arms is None else set(arms)
+    return tuple(name for name, arm in ARMS.items() if name in wanted and arm.applies_to(base))
+
+
+def check_applies(arm: str, setting: str) -> None:
+    """Raise ``ValueError`` if ``arm`` does not run in ``setting``, naming the settings it runs in."""
+    check_names(settings=[setting], arms=[arm])
+    if not ARMS[arm].applies_to(setting):
+        raise ValueError(
+            f"arm {arm!r} does not apply to setting {setting!r}: it runs in {list(ARMS[arm].settings or SETTINGS)} "
+            f"only (ARMS[{arm!r}].settings); choose one of those settings or another arm"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
