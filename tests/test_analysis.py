@@ -464,3 +464,30 @@ def test_intervene_custom_arm_and_bad_input():
     model.learn(128, callback=Custom())
     table = results["table"]
     assert list(table["arm"]) == ["none", "first_half"] and table.loc[1, "n_dropped"] == 64
+
+
+def test_snapshot_diagnosis_equals_the_live_diagnosis_with_two_envs(tmp_path):
+    """From the snapshot alone, the same Ā and correlation as the live diagnosis (record order checked, n_envs=2)."""
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from sb3_influence import AttributionCallback, load_snapshot
+    from sb3_influence.analysis import snapshot_diagnosis
+
+    env = make_vec_env("FrozenLake-v1", n_envs=2, seed=0, env_kwargs=dict(is_slippery=False))
+    model = InfluencePPO("MlpPolicy", env, n_steps=256, batch_size=64, n_epochs=1, seed=0, policy_kwargs=dict(net_arch=[8]))
+    live = DiagnosisCallback(true_advantage="monte_carlo")
+    model.learn(512 * 2, callback=[live, AttributionCallback(save_dir=str(tmp_path))])
+    snapshots = sorted((load_snapshot(str(p)) for p in tmp_path.glob("*.npz")), key=lambda s: s.round)
+    compared = 0
+    for result, snapshot in zip(live.results, snapshots, strict=True):
+        offline = snapshot_diagnosis(snapshot)
+        assert offline["round"] == result["round"]
+        if np.isfinite(result["spearman"]):
+            assert offline["spearman"] == pytest.approx(result["spearman"], abs=1e-12)
+            compared += 1
+        flips = result["true_advantage"] * result["estimated_advantage"] < 0
+        assert offline["sign_flips"] == pytest.approx(flips.mean())
+        assert 0.0 < offline["revisited"] <= 1.0
+    assert compared >= 1
+    with pytest.raises(ValueError, match="gamma"):
+        snapshot_diagnosis({key: value for key, value in snapshots[0].arrays.items() if key != "metadata"})

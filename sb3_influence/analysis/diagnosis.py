@@ -207,6 +207,22 @@ def _record_keys(values: np.ndarray, n_records: int) -> np.ndarray:
     return np.unique(rows, return_inverse=True)[1].reshape(n_records)
 
 
+def _state_action_keys(
+    observations: np.ndarray | dict[str, np.ndarray], actions: np.ndarray, layout: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Integer keys of each record's state and of its (state, action) pair, shape ``layout`` = (n_steps, n_envs)."""
+    n_records = int(np.prod(layout))
+    parts = list(observations.values()) if isinstance(observations, dict) else [observations]
+    for name, part in (*(("observations", p) for p in parts), ("actions", actions)):
+        if np.shape(part)[:2] != tuple(layout):
+            raise ValueError(f"{name} must start with the buffer's layout {tuple(layout)}, got shape {np.shape(part)}")
+    state = np.zeros(n_records, dtype=np.int64)
+    for part in parts:
+        state = _record_keys(np.stack([state, _record_keys(part, n_records)], axis=1), n_records)
+    pair = _record_keys(np.stack([state, _record_keys(actions, n_records)], axis=1), n_records)
+    return state.reshape(layout), pair.reshape(layout)
+
+
 def monte_carlo_advantages(
     observations: np.ndarray | dict[str, np.ndarray],
     actions: np.ndarray,
@@ -232,19 +248,11 @@ def monte_carlo_advantages(
     returns = monte_carlo_returns(rewards, episode_starts, gamma)
     if returns.ndim != 2:
         raise ValueError(f"rewards must have shape (n_steps, n_envs), got {returns.shape}")
-    n_records = returns.size
-    parts = list(observations.values()) if isinstance(observations, dict) else [observations]
-    for name, part in (*(("observations", p) for p in parts), ("actions", actions)):
-        if np.shape(part)[:2] != returns.shape:
-            raise ValueError(f"{name} must start with the buffer's layout {returns.shape}, got shape {np.shape(part)}")
-    # A state key over every observation part, then a (state, action) key
-    state = np.zeros(n_records, dtype=np.int64)
-    for part in parts:
-        state = _record_keys(np.stack([state, _record_keys(part, n_records)], axis=1), n_records)
-    pair = _record_keys(np.stack([state, _record_keys(actions, n_records)], axis=1), n_records)
-    flat_returns = returns.reshape(n_records)
+    state, pair = _state_action_keys(observations, actions, returns.shape)
+    flat_returns = returns.reshape(-1)
 
     def group_mean(keys: np.ndarray) -> np.ndarray:
+        keys = keys.reshape(-1)
         sums = np.bincount(keys, weights=flat_returns)
         return (sums / np.bincount(keys))[keys]
 
@@ -316,26 +324,24 @@ def snapshot_diagnosis(snapshot: Any, target: str | None = None, gamma: float | 
         raise ValueError(
             f"snapshot {snapshot.path or '(arrays)'} lacks {missing or ['obs']}: was it written by AttributionCallback?"
         )
-    observations = {key: snapshot.arrays[key] for key in obs_keys}
-    scores = snapshot.scores(target)
     arrays = snapshot.arrays
+    observations = {key: arrays[key] for key in obs_keys}
+    scores = snapshot.scores(target)
     per_step = monte_carlo_advantages(observations, arrays["action"], arrays["reward"], arrays["episode_start"], gamma)
     advantage_mc = per_step.swapaxes(0, 1).reshape(-1)  # record-id order, as snapshot.flat
     estimate = snapshot.flat("advantage").astype(np.float64)
+    state, pair = _state_action_keys(observations, arrays["action"], per_step.shape)
+    # Records whose state the round also visits with another action
+    distinct_pairs = np.unique(np.stack([state.reshape(-1), pair.reshape(-1)], axis=1), axis=0)
+    actions_per_state = np.bincount(distinct_pairs[:, 0], minlength=int(state.max()) + 1)
     n_records = scores.size
-    state = np.zeros(n_records, dtype=np.int64)
-    for key in obs_keys:
-        state = _record_keys(np.stack([state, _record_keys(snapshot.flat(key), n_records)], axis=1), n_records)
-    action = _record_keys(snapshot.flat("action"), n_records)
-    pairs = np.unique(np.stack([state, action], axis=1), axis=0)
-    actions_per_state = np.bincount(pairs[:, 0], minlength=int(state.max()) + 1)
     flips = advantage_mc * estimate < 0
     bottom = np.argsort(scores, kind="stable")[: max(1, n_records // 20)]
     rho, _ = advantage_correlation(scores, advantage_mc, estimate)
     return {
         "round": snapshot.round,
         "spearman": rho,
-        "revisited": float((actions_per_state[state] >= 2).mean()),
+        "revisited": float((actions_per_state[state.reshape(-1)] >= 2).mean()),
         "sign_flips": float(flips.mean()),
         "sign_flips_bottom": float(flips[bottom].mean()),
     }
