@@ -112,6 +112,8 @@ def summary() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from sb3_influence.bench import PPO_KWARGS
+
     rng = np.random.default_rng(0)
     runs: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(RESULTS.glob("*_seed*.json")):
@@ -127,6 +129,14 @@ def summary() -> None:
         "| env | seeds | rounds | drop negatives beats PPO | random drop beats PPO | PPO's own update improves | "
         "negatives beat PPO where PPO improves | where PPO does not |",
         "|---|---|---|---|---|---|---|---|",
+    ]
+    failure = [
+        "",
+        "Rounds split by whether PPO's own update raised the test return over θ(k) (medians over those rounds): the "
+        "share of records with negative influence, and what dropping them did to `f_return` and to the test return.",
+        "",
+        "| env | PPO's update | rounds | negative share | Δ f_return (drop negatives) | Δ test return (drop negatives) |",
+        "|---|---|---|---|---|---|",
     ]
     figure, axes = plt.subplots(1, len(envs), figsize=(4.2 * len(envs), 3.4), constrained_layout=True, squeeze=False)
     for axis, env in zip(axes[0], envs, strict=True):
@@ -161,10 +171,21 @@ def summary() -> None:
             f"| {env} | {seeds} | {len(rows)} | {share(negatives > 0)} | {share(random > 0)} | {share(improves)} | "
             f"{share(negatives[improves] > 0)} | {share(negatives[~improves] > 0)} |"
         )
+        records = PPO_KWARGS["n_steps"]  # one env per run: 2048 records per round
+        for label, mask in (("improves", improves), ("does not improve", ~improves)):
+            if not mask.any():
+                continue
+            chosen = [row for row, keep in zip(rows, mask, strict=True) if keep]
+            negative_share = np.median([row["n_dropped"] / records for row in chosen])
+            delta_target = np.median([row["delta_target_negatives"] for row in chosen])
+            failure.append(
+                f"| {env} | {label} | {len(chosen)} | {100 * negative_share:.0f} % | {delta_target:+.3g} | "
+                f"{np.median(negatives[mask]):+.3g} |"
+            )
     figure.suptitle("Retraining one round without the negative records vs a random drop (cf. the paper's Fig. 5 / 11)")
     figure.savefig(DOCS / "_static" / "img" / "intervention_rounds.png", dpi=110)
     plt.close(figure)
-    (DOCS / "guide" / "generated" / "intervention_table.md").write_text("\n".join(lines) + "\n")
+    (DOCS / "guide" / "generated" / "intervention_table.md").write_text("\n".join(lines + failure) + "\n")
     cpu = sum(data.get("cpu_s", 0.0) for group in runs.values() for data in group)
     print(f"{sum(len(group) for group in runs.values())} result files, {cpu / 3600:.2f} CPU hours")
 
