@@ -18,7 +18,7 @@ The behaviours (the target is ``f_action = mean log π(a*|s)`` over fixed probe 
 - Acrobot: "+1 torque while the second joint swings in the positive direction" (``θ̇2 > 0``, action 2). The torque
   then does positive work on the joint (power ``τ·θ̇2 > 0``): it pumps energy into the swing. The controller "+1 torque
   if ``θ̇2 > 0`` else -1 torque" reaches the goal in 83 steps on average (10 episodes), against 500 (time-out) for
-  the random policy. Probe states: 64 states with ``θ̇2 > 0`` from rollouts of that controller (env seeds 1000-1004).
+  the random policy. Probe states: 64 states with ``θ̇2 > 0`` from rollouts of that controller (env seeds from 1000).
 - highway: "slow down when closing in on a vehicle ahead in the same lane" (action 4, ``SLOWER``): a vehicle in
   the ego lane (relative ``|y| < 0.125``, a half lane), ahead within 0.15 of the normalised ``x`` range (about 30 m),
   with a negative relative speed. Probe states: 64 such states from uniformly random rollouts (env seeds 1000+).
@@ -35,12 +35,11 @@ from typing import Any
 
 import numpy as np
 import torch as th
+from stable_baselines3.common.callbacks import BaseCallback
 
 from sb3_influence import ActionTarget, AttributionCallback
 from sb3_influence.analysis import behaviour_formation, graph_roughness
 from sb3_influence.analysis.formation import state_embeddings
-from stable_baselines3.common.callbacks import BaseCallback
-
 from sb3_influence.bench.harness import make_model, write_json
 from sb3_influence.bench.protocol import ENVS, run_kwargs
 
