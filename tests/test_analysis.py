@@ -349,6 +349,32 @@ def test_behaviour_formation_rounds(tmp_path):
         plot_phases(formation.drop(columns=["roughness"]))
 
 
+def test_behaviour_formation_action_association():
+    # Two envs of 6 steps; influence = advantage signed by "took action 1": action_association is exactly 1
+    rng = np.random.default_rng(0)
+    advantage = rng.normal(size=(6, 2))
+    action = rng.integers(0, 3, size=(6, 2))
+    scores = np.where(action == 1, advantage, -advantage)
+    arrays = {
+        "influence/behaviour": scores,
+        "training_advantage": advantage,
+        "action": action,
+        "obs": rng.normal(size=(6, 2, 3)),
+        "round": np.array(0),
+        "num_timesteps": np.array(12),
+    }
+    formation = behaviour_formation([arrays], target="behaviour", action=1, n_neighbors=3)
+    assert formation["action_association"].iloc[0] == pytest.approx(1.0)
+    assert formation["association"].iloc[0] < 0.99
+    # Another action: the signed advantage is wrong for every record of actions 1 and 2
+    assert behaviour_formation([arrays], target="behaviour", action=0)["action_association"].iloc[0] < 0.99
+    assert "action_association" not in behaviour_formation([arrays], target="behaviour").columns
+    with pytest.raises(TypeError, match="action must be"):
+        behaviour_formation([arrays], target="behaviour", action=1.0)
+    with pytest.raises(ValueError, match="needs Discrete actions"):
+        behaviour_formation([{**arrays, "action": rng.normal(size=(6, 2, 2))}], target="behaviour", action=1)
+
+
 # ------------------------------------------------------------------ intervention
 def test_drop_mask():
     scores = np.array([[-3.0, 1.0], [-1.0, 2.0], [0.5, -0.2], [4.0, 0.1], [0.3, 0.2]])

@@ -136,6 +136,7 @@ def behaviour_formation(
     embed: Callable[[np.ndarray], np.ndarray] | None = None,
     n_neighbors: int = 20,
     top_fraction: float = 0.1,
+    action: int | None = None,
 ) -> "pd.DataFrame":
     """
     Per-round metrics of how the records drive one behaviour (the paper's Sec. 4.2).
@@ -145,18 +146,26 @@ def behaviour_formation(
     :param target: Name of that target in the snapshots (``ActionTarget(..., name=...)``).
     :param embed: Maps the records' observations, flattened to ``(n_records, features)`` floats, to state
         embeddings; default: the flattened observations themselves. For FrozenLake, coordinates work well:
-        ``lambda obs: np.stack([obs[:, 0] // 4, obs[:, 0] % 4], axis=1)``.
+        ``lambda obs: np.stack([obs[:, 0] // 4, obs[:, 0] % 4], axis=1)``. To embed every round in the same
+        space, as the paper does, use the final model's features:
+        ``lambda obs: state_embeddings(final_model, obs.reshape(-1, *final_model.observation_space.shape))``.
     :param n_neighbors: Neighbours per record in :func:`graph_roughness`.
     :param top_fraction: Share of records counted as "top" for ``top_advantage``.
+    :param action: The behaviour's action (``Discrete`` spaces), or ``None``. When given, adds the column
+        ``action_association``: the Spearman correlation of influence with the advantage signed by the action,
+        ``Â_i`` for records that took ``action`` and ``-Â_i`` for the others (the paper's action-advantage
+        association: a record raises ``log π(action|s)`` when it reinforces that action or discourages another).
     :return: DataFrame, one row per round: ``round``, ``num_timesteps``, ``association`` (Spearman correlation of
         influence with the training advantage: phase 1), ``roughness`` (graph roughness of the positive records:
         phase 2 when low), ``scale`` (max ``|I|``: phase 3 when near 0), ``positive_fraction``, ``top_advantage``
-        (mean training advantage of the top records).
+        (mean training advantage of the top records), and ``action_association`` when ``action`` is given.
     """
     import pandas as pd
 
     if not 0 < top_fraction <= 1:
         raise ValueError(f"top_fraction must be in (0, 1], got {top_fraction!r}")
+    if action is not None and (isinstance(action, bool) or not isinstance(action, (int, np.integer))):
+        raise TypeError(f"action must be a Discrete action (an int) or None, got {action!r}")
     rows = []
     for snapshot in load_all(snapshots):
         scores = snapshot.scores(target)
@@ -166,6 +175,14 @@ def behaviour_formation(
         embeddings = states if embed is None else np.asarray(embed(states), dtype=np.float64)
         n_top = max(1, round(top_fraction * scores.size))
         top = np.argsort(scores)[::-1][:n_top]
+        row = {}
+        if action is not None:
+            taken = snapshot.flat("action").reshape(scores.size, -1)
+            if taken.shape[1] != 1:
+                raise ValueError(
+                    f"action={action!r} needs Discrete actions, but the records hold actions of shape {taken.shape[1:]}"
+                )
+            row["action_association"] = _spearman(scores, np.where(taken[:, 0] == action, advantages, -advantages))
         rows.append(
             {
                 "round": snapshot.round,
@@ -175,6 +192,7 @@ def behaviour_formation(
                 "scale": float(np.abs(scores).max()) if scores.size else float("nan"),
                 "positive_fraction": float((scores > 0).mean()),
                 "top_advantage": float(advantages[top].mean()),
+                **row,
             }
         )
     return pd.DataFrame(rows)
