@@ -576,3 +576,17 @@ def test_docs_page_with_an_arm_that_applies_to_some_cells(tmp_path):
     assert "| final | iif-aware > ppo | 1.00 [1.00, 1.00] |" in restricted
     assert (tmp_path / "docs/fig/aggregate_iif-aware_final.png").exists()
     assert (tmp_path / "docs/fig/grid_MiniGrid_adam1e-3.png").exists()
+
+
+def test_env_kwargs_reach_gym_as_plain_dicts():
+    """The protocol's read-only configs (MappingProxyType) are copied to dicts, which the env can pickle."""
+    import pickle
+
+    from sb3_influence.bench import ENVS
+    from sb3_influence.bench.harness import _plain
+
+    kwargs = _plain(ENVS["highway"].env_kwargs)
+    assert type(kwargs["config"]) is dict and kwargs["config"]["vehicles_count"] == 10
+    assert pickle.loads(pickle.dumps(kwargs)) == kwargs
+    with pytest.raises(TypeError):
+        pickle.dumps(ENVS["highway"].env_kwargs["config"])  # why the copy is needed

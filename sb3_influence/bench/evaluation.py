@@ -44,12 +44,12 @@ def make_eval_env(spec: "EnvSpec", episodes: int, seed: int) -> Any:
     The evaluation environments of a run: one ``DummyVecEnv`` of ``min(episodes, EVAL_ENVS)`` environments (reseeded
     with ``seed`` before every evaluation), or a single tabular env for exact evaluation.
     """
-    from sb3_influence.bench.harness import make_env
+    from sb3_influence.bench.harness import _plain, make_env
 
     if spec.exact_eval:
         import gymnasium as gym
 
-        return gym.make(spec.env_id, **spec.env_kwargs)
+        return gym.make(spec.env_id, **_plain(spec.env_kwargs))
     return make_env(spec, min(episodes, EVAL_ENVS), seed)
 
 

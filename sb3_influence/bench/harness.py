@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,14 @@ def make_env(spec: EnvSpec, n_envs: int, seed: int) -> Any:
         from minigrid.wrappers import ImgObsWrapper
 
         wrapper = ImgObsWrapper
-    return make_vec_env(spec.env_id, n_envs=n_envs, seed=seed, env_kwargs=spec.env_kwargs, wrapper_class=wrapper)
+    return make_vec_env(spec.env_id, n_envs=n_envs, seed=seed, env_kwargs=_plain(spec.env_kwargs), wrapper_class=wrapper)
+
+
+def _plain(value: Any) -> Any:
+    """A copy with every mapping a plain ``dict`` (read-only ``MappingProxyType`` configs cannot be pickled)."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
 
 
 def make_model(spec: EnvSpec, seed: int, setting: str = "sgd", **overrides: Any) -> Any:
