@@ -10,7 +10,15 @@ import sb3_influence
 ROOT = pathlib.Path(sb3_influence.__file__).parent
 # Lowest first: a module may import only from modules of its own layer or the layers before it
 LAYERS = [
-    ["common.sb3_compat", "common.targets", "common.extractors", "common.command_line", "common.units", "common.progress"],
+    [
+        "common.sb3_compat",
+        "common.targets",
+        "common.extractors",
+        "common.command_line",
+        "common.units",
+        "common.progress",
+        "common.files",
+    ],
     ["common.buffers", "common.state", "common.scoring.layers"],
     ["common.round", "common.scoring.engine"],
     [

@@ -168,3 +168,14 @@ def test_report_says_why_the_diagnosis_is_not_shown(run_dir, tmp_path):
     section = (tmp_path / "r" / "report.html").read_text().split('id="diagnosis"')[1].split("<h2")[0]
     assert "Not shown" in section and "repeated states" in section
     assert not (tmp_path / "r" / "intervention.png").exists()
+
+
+def test_report_refuses_a_damaged_intervention_file_or_skips_it(run_dir, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(run_dir, folder)
+    (folder / "intervention_round000001.json").write_text("{not json")
+    with pytest.raises(ValueError, match="intervention_round000001.json"):
+        build_report(str(folder), out_dir=str(tmp_path / "r1"))
+    with pytest.warns(UserWarning, match="intervention_round000001.json"):
+        build_report(str(folder), out_dir=str(tmp_path / "r2"), on_error="skip")
+    assert not (tmp_path / "r2" / "intervention.png").exists()

@@ -174,7 +174,9 @@ def monte_carlo_returns(rewards: np.ndarray, episode_starts: np.ndarray, gamma: 
     Discounted return-to-go of every record inside the buffer, ``G_t = r_t + gamma G_{t+1}`` within an episode.
 
     Each env's column is one stream of records; an episode ends where the next record starts a new one. The
-    episode cut by the buffer's end is summed up to the last record, without bootstrapping (Monte Carlo).
+    episode cut by the buffer's end is summed up to the last record, without bootstrapping (Monte Carlo). One
+    value of the critic does enter: where an episode was cut by a time limit, SB3 adds ``gamma · V(last obs)`` to
+    that record's stored reward (``collect_rollouts``), and the buffer's rewards are used as stored.
 
     :param rewards: Rewards, shape ``(n_steps, n_envs)`` (a 1-D array is one env).
     :param episode_starts: Whether each record is the first of an episode, same shape.
@@ -233,7 +235,8 @@ def monte_carlo_advantages(
     """
     The paper's in-buffer Monte-Carlo advantage ``Ā(s, a) = Q̄(s, a) - V̄(s)`` (App. B.4): ``Q̄`` averages the
     return-to-go :func:`monte_carlo_returns` over every record of the round with the same state and action,
-    ``V̄`` over every record with the same state (every-visit Monte Carlo, no critic).
+    ``V̄`` over every record with the same state (every-visit Monte Carlo; the critic enters only through SB3's
+    time-limit bootstrap in the stored rewards, see :func:`monte_carlo_returns`).
 
     States and actions are matched exactly (bit for bit), so it is informative where states repeat inside a
     round (tabular or grid worlds); with continuous observations every state is seen once and ``Ā = 0``.
@@ -322,7 +325,8 @@ def snapshot_diagnosis(snapshot: Any, target: str | None = None, gamma: float | 
     missing = [name for name in ("action", "reward", "episode_start", "advantage") if name not in snapshot.arrays]
     if not obs_keys or missing:
         raise ValueError(
-            f"snapshot {snapshot.path or '(arrays)'} lacks {missing or ['obs']}: was it written by AttributionCallback?"
+            f"snapshot {snapshot.path or '(arrays)'} lacks {([] if obs_keys else ['obs']) + missing}: "
+            "was it written by AttributionCallback?"
         )
     arrays = snapshot.arrays
     observations = {key: arrays[key] for key in obs_keys}

@@ -12,6 +12,7 @@ nothing had happened. The arms use the drop rules of :mod:`sb3_influence.common.
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -25,6 +26,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 
 from sb3_influence.analysis._callbacks import AnalysisCallback
 from sb3_influence.common import sb3_compat
+from sb3_influence.common.files import write_json
 from sb3_influence.common.filters import get_drop_rule
 from sb3_influence.common.state import training_state
 from sb3_influence.common.targets import Target, as_target
@@ -137,6 +139,8 @@ def intervene(
     :param seed: Seed of the random arms and of the evaluation (the same for every arm).
     :param evaluator: A function ``model -> test return`` used instead of ``eval_env`` / ``n_eval_episodes``
         (e.g. an exact evaluation on a tabular env, or a vectorised one); it must leave the model as it found it.
+        For a paired comparison it should seed its episodes and action sampling the same way at every call, as the
+        ``eval_env`` path does (``sb3_influence.bench.evaluation.evaluate`` does).
     :return: DataFrame, one row per arm, the reference ``"none"`` first: ``arm``, ``n_dropped``,
         ``target_before``, ``target_after``, ``delta_target`` (target_after minus the reference's),
         ``test_return``, ``delta_return`` (minus the reference's), ``test_return_start`` (the test return at
@@ -227,31 +231,46 @@ def write_intervention(save_dir: str, model: Any, table: "pd.DataFrame") -> str:
     round_index = int(table["round"].iloc[0])
     path = os.path.join(save_dir, INTERVENTION_FILE.format(round_index))
     data = {"run_id": getattr(model, "run_id", None), "round": round_index, "rows": table.to_dict(orient="records")}
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, allow_nan=True)
-    os.replace(tmp, path)
+    write_json(path, data, indent=None)
     return path
 
 
-def read_interventions(run_dir: str, run_id: str | None) -> tuple["pd.DataFrame", int]:
+def read_interventions(run_dir: str, run_id: str | None, on_error: str = "raise") -> tuple["pd.DataFrame", int]:
     """
     The intervention tables written under ``run_dir`` (searched recursively) for one run.
 
     :param run_dir: The folder.
-    :param run_id: Keep the files of this run only (``None``: all).
+    :param run_id: Keep the files of this run only (files without a run id match ``None`` only).
+    :param on_error: ``"raise"``: a file that is not a table written by :func:`write_intervention` raises
+        ``ValueError`` naming it; ``"skip"``: it is left out with a warning naming it.
     :return: ``(table, n_other)``: the rows of every matching file in round order, arms as written (empty if
         none), and how many files of other runs were left out.
     """
     import pandas as pd
 
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     frames, others = [], 0
     for path in sorted(Path(run_dir).rglob("intervention_round*.json")):
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if run_id is not None and data.get("run_id") != run_id:
-            others += 1
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or "round" not in data:
+                raise ValueError("no 'round' and 'rows'")
+            frame = pd.DataFrame(data["rows"])
+            if len(frame) and not {"arm", "round", "delta_target", "test_return"} <= set(frame.columns):
+                raise ValueError(
+                    f"rows lack columns {sorted({'arm', 'round', 'delta_target', 'test_return'} - set(frame.columns))}"
+                )
+        except (OSError, ValueError) as error:
+            message = f"{path}: not an intervention table written by InterventionCallback ({error})"
+            if on_error == "raise":
+                raise ValueError(f"{message}; remove it, or skip damaged files (--skip-damaged)") from error
+            warnings.warn(f"{message}; left out", stacklevel=2)
             continue
-        frames.append(pd.DataFrame(data["rows"]))
+        if data.get("run_id") != run_id:
+            others += 1
+        elif len(frame):
+            frames.append(frame)
     if not frames:
         return pd.DataFrame(), others
     return pd.concat(frames, ignore_index=True).sort_values("round", kind="stable"), others
@@ -276,8 +295,9 @@ class InterventionCallback(AnalysisCallback):
         self,
         rounds: Sequence[int] | None = None,
         eval_env: Any = None,
-        save_dir: str | None = None,
         verbose: int = 0,
+        *,
+        save_dir: str | None = None,
         **intervene_kwargs: Any,
     ):
         super().__init__(rounds, verbose)
@@ -291,7 +311,14 @@ class InterventionCallback(AnalysisCallback):
     def _init_callback(self) -> None:
         super()._init_callback()
         if self.save_dir is not None:
-            os.makedirs(self.save_dir, exist_ok=True)
+            try:
+                os.makedirs(self.save_dir, exist_ok=True)
+            except OSError as error:
+                raise OSError(
+                    error.errno,
+                    f"InterventionCallback: cannot create save_dir {self.save_dir!r} ({error.strerror}): "
+                    "give a folder you can write to",
+                ) from error
 
     def _on_round(self, index: int) -> None:
         table = intervene(self.model, eval_env=self.eval_env, **self.intervene_kwargs)  # type: ignore[arg-type]

@@ -227,11 +227,11 @@ def _diagnosis_section(snapshots: list[Snapshot], target: str | None) -> str:
     return '<div class="wide">' + table.to_html(index=False, float_format=lambda x: f"{x:.3g}", border=0) + "</div>" + note
 
 
-def _intervention_figure(run_dir: Path, run_id: str | None) -> tuple[str, bytes, str] | None:
+def _intervention_figure(run_dir: Path, run_id: str | None, on_error: str) -> tuple[str, bytes, str] | None:
     """Δ target and Δ test return of each arm per round, from ``InterventionCallback(save_dir=...)`` files."""
     from sb3_influence.analysis.intervention import read_interventions
 
-    table, others = read_interventions(str(run_dir), run_id)
+    table, others = read_interventions(str(run_dir), run_id, on_error)
     if table.empty:
         return None
     arms = [arm for arm in dict.fromkeys(table["arm"]) if arm != "none"]
@@ -348,7 +348,9 @@ def build_report(
 
     summary = round_summary(snapshots, target)
     figures = _figures(snapshots, summary, target, run_dir if run_dir.is_dir() else run_dir.parent)
-    intervention = _intervention_figure(run_dir if run_dir.is_dir() else run_dir.parent, snapshots[-1].metadata.get("run_id"))
+    intervention = _intervention_figure(
+        run_dir if run_dir.is_dir() else run_dir.parent, snapshots[-1].metadata.get("run_id"), on_error
+    )
     if intervention is not None:
         figures["intervention"] = intervention
     for name, (_, png, _) in figures.items():

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from sb3_influence.bench.harness import run_config, run_one, write_json
+from sb3_influence.bench.harness import checkpoint_path, resume_round, run_config, run_one, write_json
 from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, arms_for, check_names, result_path
 from sb3_influence.common.progress import Progress
 
@@ -164,7 +164,7 @@ def _ray_results(jobs: Sequence[Job], out: str, workers: int, niceness: int, add
 
 
 def _pool_results(results: Any) -> Iterator[Any]:
-    """The results of a pool's ``imap``, with ``None`` every ``_POLL_S`` seconds while none arrives."""
+    """The results of a pool's ``imap_unordered``, with ``None`` every ``_POLL_S`` seconds while none arrives."""
     import multiprocessing
 
     while True:
@@ -209,8 +209,11 @@ class GridProgress:
         }
         self.names = {job.path(out): job.describe() for job in todo}
         # Rounds of each run counted so far: a run resumes after its checkpoint round
+        checkpoints = {
+            job.path(out): checkpoint_path(out, job.env, job.setting, job.arm, job.seed, job.variants) for job in todo
+        }
         self.counted = {
-            path: int((_read_result(path, config) or {}).get("checkpoint_round", 0)) for path, config in self.configs.items()
+            path: resume_round(_read_result(path, config), config, checkpoints[path]) for path, config in self.configs.items()
         }
         self.running: dict[str, int] = {}  # the runs under way: their last round seen
         # Files left by an earlier invocation are read again only once a run of this one has written them
@@ -323,7 +326,7 @@ def run_grid(
                 import multiprocessing
 
                 pool = multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1)
-                results = _pool_results(pool.imap(_execute_star, [(job, out, niceness) for job in todo]))
+                results = _pool_results(pool.imap_unordered(_execute_star, [(job, out, niceness) for job in todo]))
             for item in results:
                 watcher.poll()
                 if item is None:

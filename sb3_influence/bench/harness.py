@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch as th
 from sb3_influence.common.callbacks import RoundCallback
+from sb3_influence.common.files import write_json
 
 from sb3_influence.bench.evaluation import EVAL_ENVS, evaluate, make_eval_env
 from sb3_influence.bench.protocol import (
@@ -153,13 +154,24 @@ def parameter_hash(model: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-def write_json(path: str, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` atomically (a temporary file, then a rename), making the folder if needed."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as file:
-        json.dump(data, file, indent=1)
-    os.replace(tmp, path)
+def checkpoint_path(out: str, env: str, setting: str, arm: str, seed: int, variants: Sequence[str] = ()) -> str:
+    """Where a run keeps its model between rounds: ``<out>/raw/<env>/<cell>/<arm>_seed<seed>.zip``."""
+    return os.path.join(out, "raw", env, cell_name(setting, variants), f"{arm}_seed{seed}.zip")
+
+
+def resume_round(previous: dict[str, Any] | None, config: dict[str, Any], checkpoint: str) -> int:
+    """
+    The round a run resumes after: its result file's ``checkpoint_round`` when the file is of the same config and
+    the checkpoint exists, else 0 (the run starts again from round 1).
+
+    :param previous: The run's result file, or ``None``.
+    :param config: The run's config (:func:`run_config`).
+    :param checkpoint: Its checkpoint path (:func:`checkpoint_path`).
+    :return: The last finished round to resume after.
+    """
+    if previous is None or previous.get("config") != config or not os.path.exists(checkpoint):
+        return 0
+    return int(previous.get("checkpoint_round", 0))
 
 
 def run_config(
@@ -295,14 +307,14 @@ def _run_one(
         return reused
     cpu_start = time.process_time()
     eval_seed = 10_000 + seed
-    checkpoint = os.path.join(out, "raw", env, cell_name(setting, variants), f"{arm}_seed{seed}.zip")
+    checkpoint = checkpoint_path(out, env, setting, arm, seed, variants)
     overrides = {key: config[key] for key in ("n_envs", *PPO_KWARGS, "learning_rate", "max_grad_norm")}
     model = make_model(spec, seed, setting, **overrides)
     eval_env = make_eval_env(spec, eval_episodes, eval_seed)
     result: dict[str, Any] = {"config": config, "init_hash": parameter_hash(model), "complete": False, "rows": []}
     start = 1
-    done = previous.get("checkpoint_round", 0) if previous is not None and previous.get("config") == config else 0
-    if previous is not None and done > 0 and os.path.exists(checkpoint):
+    done = resume_round(previous, config, checkpoint)
+    if previous is not None and done > 0:
         model = InfluencePPO.load(checkpoint, env=model.get_env())
         # A resumed run is reproducible, but not the same as an uninterrupted one (fresh RNG streams)
         model.set_random_seed(seed + 1_000 * done)

@@ -1,0 +1,27 @@
+"""Writing result files so that a reader never sees half of one."""
+
+import json
+import os
+from typing import Any
+
+
+def write_json(path: str | os.PathLike[str], data: Any, indent: int | None = 1) -> None:
+    """
+    Write ``data`` as JSON to ``path`` atomically: to a temporary file in the same folder, then ``os.replace``
+    onto ``path`` (the folder is made if needed; the temporary file is removed if writing fails).
+
+    :param path: The file.
+    :param data: JSON-serialisable data (NaN and infinities are written as JSON's non-standard tokens).
+    :param indent: JSON indentation.
+    """
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as file:
+            json.dump(data, file, indent=indent)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
