@@ -79,9 +79,13 @@ class _Cell:
     def complete_seeds(self, arm: str) -> list[int]:
         return sorted(set(self.runs.get(arm, {})) & set(self.seeds))
 
+    def complete_for(self, arms: Sequence[str]) -> bool:
+        """Whether every one of ``arms`` has all the seeds (an arm that does not apply here never does)."""
+        return all(arm in self.arms and len(self.complete_seeds(arm)) == len(self.seeds) for arm in arms)
+
     @property
     def complete(self) -> bool:
-        return all(len(self.complete_seeds(arm)) == len(self.seeds) for arm in self.arms)
+        return self.complete_for(self.arms)
 
     @property
     def paired(self) -> bool:
@@ -230,8 +234,8 @@ def _paper(cells: list[_Cell]) -> str:
         numbers = PAPER.get((cell.env, "sgd" if cell.legacy else cell.name))
         if numbers is None:
             continue
-        entry = summarize(cell.directory, cell.env).get("iif")
-        if entry is None or not cell.complete:
+        entry = summarize(cell.directory, cell.env).get("iif") if cell.complete_for(("ppo", "iif")) else None
+        if entry is None:
             here = [f"incomplete ({len(cell.complete_seeds('iif'))}/{len(cell.seeds)} seeds)"] + ["—"] * 3
             seeds = "—"
         else:
@@ -261,16 +265,20 @@ def _scores(cells: list[_Cell], kind: str, arms: Sequence[str]) -> dict[str, np.
     }
 
 
-def _aggregate_groups(complete: list[_Cell]) -> list[tuple[list[_Cell], tuple[str, ...], tuple[str, ...]]]:
+def _aggregate_groups(cells: list[_Cell]) -> list[tuple[list[_Cell], tuple[str, ...], tuple[str, ...]]]:
     """
-    The task sets of the aggregate statistics: all complete cells with the arms that apply to every one of them,
-    then, for the arms that apply to only some, the cells where they apply (arms with the same cells together).
+    The task sets of the aggregate statistics: the cells where the arms that apply everywhere (``Arm.settings``
+    ``None``) are complete, with those arms; then, for the arms that apply to only some settings, the cells where
+    every arm that applies is complete (arms with the same cells together). A restricted arm still running does
+    not hold back the other arms' statistics.
 
     :return: ``(cells, arms, new)`` per task set: its cells, the arms that apply to all of them, and the arms whose
         comparisons (``Arm.versus``) it reports (all of them in the first set, the restricted ones after).
     """
-    common = tuple(arm for arm in ARMS if all(arm in cell.arms for cell in complete))
-    groups = [(complete, common, common)]
+    common = tuple(arm for arm, spec in ARMS.items() if spec.settings is None)
+    base = [cell for cell in cells if cell.complete_for(common)]
+    groups = [(base, common, common)] if base else []
+    complete = [cell for cell in cells if cell.complete]
     by_cells: dict[tuple[str, ...], list[str]] = {}
     for arm in ARMS:
         if arm not in common:
@@ -291,13 +299,13 @@ def _aggregate(cells: list[_Cell], figures: str, relative: str, name: str, title
 
     from sb3_influence.bench.stats import aggregate_metrics, plot_aggregates, probability_of_improvement
 
-    complete = [cell for cell in cells if cell.complete]
-    if not complete:
+    groups = _aggregate_groups(cells)
+    if not groups:
         return "*No cell is complete yet: no aggregate statistics.*"
     labels = {arm: spec.label for arm, spec in ARMS.items()}
     colors = {arm: spec.color for arm, spec in ARMS.items()}
     blocks = []
-    for number, (tasks, arms, new) in enumerate(_aggregate_groups(complete)):
+    for number, (tasks, arms, new) in enumerate(groups):
         table = ["| score | arm | IQM [95 % CI] | optimality gap [95 % CI] |", "|---|---|---|---|"]
         poi = ["| score | comparison | P(X > Y) over all tasks [95 % CI] | per task |", "|---|---|---|---|"]
         images = []
@@ -334,9 +342,9 @@ def _reading(cells: list[_Cell]) -> str:
     """Per cell and arm compared with PPO (``"ppo"`` in its ``Arm.versus``): faster, slower or no clear difference."""
     lines = ["| cell | arm | reading (vs PPO) | SE_ave [95 % CI] | final gain [95 % CI] |", "|---|---|---|---|---|"]
     for cell in cells:
-        summary = summarize(cell.directory, cell.env) if cell.complete else {}
+        summary = summarize(cell.directory, cell.env)
         for arm in [arm for arm in cell.arms if "ppo" in ARMS[arm].versus]:
-            entry = summary.get(arm)
+            entry = summary.get(arm) if cell.complete_for(("ppo", arm)) else None
             if entry is None:
                 done = len(cell.complete_seeds(arm))
                 lines.append(f"| {cell.label} | {arm} | incomplete ({done}/{len(cell.seeds)} seeds): no reading yet | — | — |")
