@@ -11,8 +11,8 @@ MiniGrid-Empty-8x8: the agent's position and heading are recorded with every rec
 bottom-20 records on ``f_return`` are compared with the whole buffer: how many step *away* from the goal (forward
 while facing left or up; the goal is the bottom-right corner) with a positive advantage estimate.
 
-    OMP_NUM_THREADS=1 nice python benchmarks/diagnosis.py --seeds 0 1 2 3 4          # FrozenLake, ~1 CPU-minute per seed
-    OMP_NUM_THREADS=1 nice python benchmarks/diagnosis.py --minigrid --seeds 0 1 2   # MiniGrid, ~1 CPU-minute per seed
+    nice python benchmarks/diagnosis.py --seeds 0 1 2 3 4             # FrozenLake, ~35 CPU-seconds per seed
+    nice python benchmarks/diagnosis.py --minigrid --seeds 0 1 2      # MiniGrid, ~35 CPU-seconds per seed
     python benchmarks/diagnosis.py --summary    # docs tables and figures from the result files
 """
 
