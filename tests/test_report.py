@@ -174,8 +174,8 @@ def test_report_refuses_a_damaged_intervention_file_or_skips_it(run_dir, tmp_pat
     folder = tmp_path / "run"
     shutil.copytree(run_dir, folder)
     (folder / "intervention_round000001.json").write_text("{not json")
-    with pytest.raises(ValueError, match="intervention_round000001.json"):
+    with pytest.raises(ValueError, match=r"intervention_round000001\.json"):
         build_report(str(folder), out_dir=str(tmp_path / "r1"))
-    with pytest.warns(UserWarning, match="intervention_round000001.json"):
+    with pytest.warns(UserWarning, match=r"intervention_round000001\.json"):
         build_report(str(folder), out_dir=str(tmp_path / "r2"), on_error="skip")
     assert not (tmp_path / "r2" / "intervention.png").exists()
