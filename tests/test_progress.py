@@ -7,6 +7,7 @@ import pytest
 
 from sb3_influence import bench
 from sb3_influence.bench.grid import GridProgress
+from sb3_influence.bench.harness import checkpoint_path
 from sb3_influence.common.progress import Progress, format_duration
 
 
@@ -156,6 +157,11 @@ def test_grid_progress_counts_a_resumed_run_from_its_checkpoint(tmp_path):
     config = bench.run_config("CartPole", "sgd", "ppo", 0, (), 30, 2)
     rows = [{"round": r} for r in range(13)]
     bench.write_json(job.path(out), {"config": config, "complete": False, "checkpoint_round": 10, "rows": rows})
+    # Without its checkpoint the harness starts the run again from round 1: all 30 rounds are left
+    assert GridProgress([job], 3, out, stream=io.StringIO(), interval=0.0).progress.total == 30
+    checkpoint = checkpoint_path(out, "CartPole", "sgd", "ppo", 0)
+    os.makedirs(os.path.dirname(checkpoint))
+    open(checkpoint, "wb").close()
     watcher = GridProgress([job], 3, out, stream=io.StringIO(), interval=0.0)
     # 20 rounds left (the run resumes after round 10); the file left by the killed run is not read as progress
     assert watcher.progress.total == 20 and watcher.runs_done == 2
