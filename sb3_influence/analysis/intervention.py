@@ -26,7 +26,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 
 from sb3_influence.analysis._callbacks import AnalysisCallback
 from sb3_influence.common import sb3_compat
-from sb3_influence.common.files import write_json
+from sb3_influence.common.files import make_folder, write_json
 from sb3_influence.common.filters import get_drop_rule
 from sb3_influence.common.state import training_state
 from sb3_influence.common.targets import Target, as_target
@@ -311,14 +311,7 @@ class InterventionCallback(AnalysisCallback):
     def _init_callback(self) -> None:
         super()._init_callback()
         if self.save_dir is not None:
-            try:
-                os.makedirs(self.save_dir, exist_ok=True)
-            except OSError as error:
-                raise OSError(
-                    error.errno,
-                    f"InterventionCallback: cannot create save_dir {self.save_dir!r} ({error.strerror}): "
-                    "give a folder you can write to",
-                ) from error
+            make_folder(self.save_dir, "InterventionCallback")
 
     def _on_round(self, index: int) -> None:
         table = intervene(self.model, eval_env=self.eval_env, **self.intervene_kwargs)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 from stable_baselines3.common.callbacks import BaseCallback
 
+from sb3_influence.common.files import make_folder
 from sb3_influence.common.filters import DropRule, resolve_drop_rule
 from sb3_influence.common.round import InfluenceModel, InfluenceRound, ScoreRequest
 from sb3_influence.common.snapshots import (
@@ -278,14 +279,7 @@ class AttributionCallback(RoundCallback):
             check_target(target, self.model.observation_space, self.model.action_space)
         self.model.check_optimizer_aware(self.optimizer_aware)
         if self.save_dir is not None:
-            try:
-                os.makedirs(self.save_dir, exist_ok=True)
-            except OSError as error:
-                raise OSError(
-                    error.errno,
-                    f"AttributionCallback: cannot create save_dir {self.save_dir!r} ({error.strerror}): "
-                    "give a folder you can write to",
-                ) from error
+            make_folder(self.save_dir, "AttributionCallback")
             remove_orphaned_temp_files(self.save_dir)
             self._written = claim_save_dir(self.save_dir, self.model.run_id, self._layout(), overwrite=self.overwrite)
             # Rounds this model has not reached yet were written by another branch of the run (an older save resumed)

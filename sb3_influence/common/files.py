@@ -25,3 +25,19 @@ def write_json(path: str | os.PathLike[str], data: Any, indent: int | None = 1) 
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def make_folder(path: str, owner: str, argument: str = "save_dir") -> None:
+    """
+    Create the folder a callback writes to, or raise ``OSError`` naming the owner, the argument and the fix.
+
+    :param path: The folder.
+    :param owner: Who asks (e.g. ``"AttributionCallback"``), for the message.
+    :param argument: The argument that gave the folder, for the message.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise OSError(
+            error.errno, f"{owner}: cannot create {argument} {path!r} ({error.strerror}): give a folder you can write to"
+        ) from error
