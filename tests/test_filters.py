@@ -111,3 +111,76 @@ def test_registry_is_read_only_and_own_rules_plug_in():
     np.testing.assert_array_equal(resolve_drop_rule("neg")(scores, 0.0, None), [False, True, False])
     with pytest.raises(TypeError, match="rule must be a name"):
         resolve_drop_rule(3.0)
+
+
+# Rules budgeted in records over units of several records (trajectories): rule -> (order, drawn from, budget of)
+_SIZED = {
+    "neg-bottom": ("ascending", "negative", "negative"),
+    "bottom": ("ascending", "all", "all"),
+    "top": ("descending", "all", "all"),
+    "random": ("random", "all", "negative"),
+    "neg-random": ("random", "negative", "negative"),
+    "uniform": ("random", "all", "all"),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(_SIZED))
+@pytest.mark.parametrize("fraction", [0.0, 0.05, 0.125, 0.5, 1.0])
+def test_sized_rules_take_whole_units_until_the_record_budget(rule, fraction):
+    scores = _scores(9, 6, seed=3)
+    sizes = np.random.default_rng(7).integers(1, 40, size=scores.shape)
+    drop = get_drop_rule(rule)(scores, fraction, np.random.default_rng(11), sizes=sizes)
+    order_key, drawn_from, budget_of = _SIZED[rule]
+    negative = scores < 0
+    # The budget in records, by brute force: one entry per record of the counted units
+    budget = int(
+        np.floor(fraction * np.repeat(negative if budget_of == "negative" else ~np.isnan(scores), sizes).sum() + 1e-9)
+    )
+    candidates = np.flatnonzero(negative) if drawn_from == "negative" else np.arange(len(scores))
+    if order_key == "random":
+        order = np.random.default_rng(11).permutation(candidates)
+    else:
+        key = scores if order_key == "ascending" else -scores
+        order = candidates[np.argsort(key[candidates], kind="stable")]
+    # The dropped units are the shortest prefix of the order holding at least the budget's records
+    prefix = 0
+    while prefix < len(order) and sizes[order[:prefix]].sum() < budget:
+        prefix += 1
+    expected = np.zeros(len(scores), dtype=bool)
+    expected[order[:prefix]] = True
+    np.testing.assert_array_equal(drop, expected)
+    assert drop.any() == (budget > 0)
+    assert sizes[drop].sum() >= budget
+
+
+@pytest.mark.parametrize("rule", ["neg-bottom", "bottom", "top", "neg"])
+def test_unit_sizes_of_one_are_the_unsized_rule(rule):
+    scores = _scores(12, 20, seed=5)
+    for fraction in (0.0, 0.1, 0.5, 1.0):
+        unsized = get_drop_rule(rule)(scores, fraction, None)
+        sized = get_drop_rule(rule)(scores, fraction, None, sizes=np.ones(len(scores), dtype=int))
+        np.testing.assert_array_equal(sized, unsized)
+
+
+def test_sized_rule_drops_a_unit_larger_than_the_budget():
+    # 8 trajectories of 256 records, 3 negative: floor(0.125 · 3) = 0 trajectories, but 96 records
+    scores = np.array([0.5, -1.0, 2.0, -3.0, 0.1, -0.2, 1.0, 4.0])
+    sizes = np.full(8, 256)
+    rule = get_drop_rule("neg-bottom")
+    assert not rule(scores, 0.125, None).any()
+    np.testing.assert_array_equal(np.flatnonzero(rule(scores, 0.125, None, sizes=sizes)), [3])
+
+
+def test_bad_sizes_and_rules_without_sizes():
+    from sb3_influence.common.filters import takes_sizes
+
+    scores = np.array([-1.0, 2.0])
+    with pytest.raises(ValueError, match="sizes must be positive integers"):
+        get_drop_rule("neg-bottom")(scores, 0.5, None, sizes=np.array([0, 3]))
+    with pytest.raises(ValueError, match="sizes must be positive integers"):
+        get_drop_rule("neg-bottom")(scores, 0.5, None, sizes=np.array([1.5, 3.0]))
+    with pytest.raises(ValueError, match="sizes must be positive integers"):
+        get_drop_rule("neg-bottom")(scores, 0.5, None, sizes=np.array([1, 2, 3]))
+    assert all(takes_sizes(rule) for rule in DROP_RULES.values())
+    assert not takes_sizes(lambda scores, fraction, rng: scores < 0)
+    assert takes_sizes(lambda scores, fraction, rng, **kwargs: scores < 0)

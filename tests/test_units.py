@@ -151,7 +151,13 @@ def test_dtv_loo_callback_drops_opposing_trajectories():
     dtv, (dtv_after, keep), ids = before[0], after[0], model.rollout_buffer.trajectory_ids()
     assert (dtv < 0).any() and (dtv > 0).any()
     np.testing.assert_array_equal(keep, ~(dtv < 0)[ids])
-    assert DTVLooCallback().settings == {"fraction": 0.125, "rule": "neg-bottom", "unit": "trajectory", "scorer": "dtv-loo"}
+    assert DTVLooCallback().settings == {
+        "fraction": 0.125,
+        "rule": "neg-bottom",
+        "unit": "trajectory",
+        "budget": "records",
+        "scorer": "dtv-loo",
+    }
     # After learn(): scored at θ(k) of the last round (with its final keep mask), and nothing moved
     params = [p.detach().clone() for p in model.policy.parameters()]
     np.testing.assert_allclose(dtv_loo_scores(model), dtv_after, rtol=1e-5, atol=1e-7 * np.abs(dtv_after).max())
@@ -161,6 +167,50 @@ def test_dtv_loo_callback_drops_opposing_trajectories():
 def test_bad_unit():
     with pytest.raises(ValueError, match="unit"):
         IIFCallback(unit="episode")
+    with pytest.raises(ValueError, match="budget must be one of"):
+        IIFCallback(unit="trajectory", budget="trajectories")
+
+    def own_rule(scores, fraction, rng):
+        return scores < 0
+
+    with pytest.raises(ValueError, match=r"budget='units'"):
+        IIFCallback(unit="trajectory", rule=own_rule)
+    # Fine where no sizes are passed
+    IIFCallback(unit="trajectory", rule=own_rule, budget="units")
+    IIFCallback(rule=own_rule)
+
+
+@pytest.mark.parametrize("budget", ["records", "units"])
+def test_trajectory_budget_in_records_or_units(budget):
+    """A small fraction of few long trajectories: budgeted in units it drops nothing, in records the most negative."""
+    model = build(n_steps=64)
+    seen = []
+
+    class Check(RoundCallback):
+        round_role = "filter"
+
+        def on_round(self, round_):
+            buffer = self.model.rollout_buffer
+            seen.append((buffer.trajectory_ids(), self.model.compute_influence(unit="trajectory")))
+
+    callback = IIFCallback(fraction=0.2, unit="trajectory", budget=budget)
+    model.learn(128, callback=[Check(), callback])
+    # The last round's buffer is still there
+    ids, scores = seen[-1]
+    np.testing.assert_array_equal(ids, model.rollout_buffer.trajectory_ids())
+    sizes = np.bincount(ids)
+    negative = np.flatnonzero(scores < 0)
+    assert 1 <= len(negative) < 5, "the case needs floor(0.2 · n_neg) = 0 trajectories"
+    dropped_records = ~model.rollout_buffer.flat_keep
+    if budget == "units":
+        assert not dropped_records.any()
+    else:
+        budget_records = int(np.floor(0.2 * sizes[negative].sum()))
+        worst = negative[np.argsort(scores[negative])]
+        count = int(np.searchsorted(np.cumsum(sizes[worst]), budget_records)) + 1
+        np.testing.assert_array_equal(dropped_records, np.isin(ids, worst[:count]))
+        assert dropped_records.sum() >= budget_records > 0
+    assert callback.settings["budget"] == budget
 
 
 def test_report_shows_trajectory_rows(tmp_path):

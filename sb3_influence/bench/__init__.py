@@ -36,6 +36,7 @@ from sb3_influence.bench.harness import (
 from sb3_influence.bench.protocol import (
     ARMS,
     ENVS,
+    EXTRA_ENVS,
     PAPER_ENVS,
     PPO_KWARGS,
     SETTINGS,
@@ -56,6 +57,7 @@ __all__ = [
     "ARMS",
     "ENVS",
     "EVAL_ENVS",
+    "EXTRA_ENVS",
     "PAPER_ENVS",
     "PPO_KWARGS",
     "SETTINGS",

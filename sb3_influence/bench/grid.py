@@ -91,7 +91,7 @@ def grid(
     jobs = []
     for env in envs:
         for setting in ENVS[env].settings if settings is None else settings:
-            applicable = arms_for(setting, arms)
+            applicable = arms_for(setting, arms, env)
             first = [a for a in applicable if a == "ppo" or "ppo" in ARMS[a].versus]
             rest = [a for a in applicable if a not in first]
             for group in (first, rest):
@@ -104,9 +104,9 @@ def grid(
         if not any(job.arm == arm for job in jobs):
             asked = sorted({s for env in envs for s in (ENVS[env].settings if settings is None else settings)})
             raise ValueError(
-                f"arm {arm!r} applies to none of the settings asked for ({', '.join(asked)}): it runs in "
-                f"{', '.join(ARMS[arm].settings or ())} only (ARMS[{arm!r}].settings); add one of those settings "
-                f"(--settings), or leave {arm!r} out of the arms"
+                f"arm {arm!r} applies to none of the cells asked for (settings {', '.join(asked)} of "
+                f"{', '.join(envs)}): it runs in {ARMS[arm].where()} only (ARMS[{arm!r}].settings, .envs); add one "
+                f"of those (--settings, --envs), or leave {arm!r} out of the arms"
             )
     for job in jobs:  # validates rounds and eval_episodes before anything runs
         run_config(job.env, job.setting, job.arm, job.seed, job.variants, job.rounds, job.eval_episodes)

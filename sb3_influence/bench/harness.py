@@ -122,7 +122,8 @@ class DropPartialMinibatch(RoundCallback):
 def make_callback(arm: str, fraction: float, variants: Sequence[str] = ()) -> Any:
     """
     The callback that turns ``InfluencePPO`` into an arm of :data:`ARMS`: none for an arm without a rule, else
-    ``IIFCallback(fraction, rule, **iif_kwargs)`` (followed by :class:`DropPartialMinibatch` with that variant).
+    ``filter_class(fraction, rule, **iif_kwargs)`` (``IIFCallback`` unless the arm names another filter; followed
+    by :class:`DropPartialMinibatch` with that variant).
 
     :param arm: A key of :data:`ARMS`.
     :param fraction: The drop fraction ``p``.
@@ -137,9 +138,9 @@ def make_callback(arm: str, fraction: float, variants: Sequence[str] = ()) -> An
         return None
     from stable_baselines3.common.callbacks import CallbackList
 
-    from sb3_influence import IIFCallback  # type: ignore[attr-defined]
+    import sb3_influence
 
-    callback = IIFCallback(fraction=fraction, rule=spec.rule, **spec.iif_kwargs)
+    callback = getattr(sb3_influence, spec.filter_class)(fraction=fraction, rule=spec.rule, **spec.iif_kwargs)
     if "drop-partial" in variants:
         return CallbackList([callback, DropPartialMinibatch()])
     return callback
@@ -185,14 +186,15 @@ def run_config(
 ) -> dict[str, Any]:
     """
     Everything that determines a run, as stored in its result file (a finished run with the same config is
-    skipped). An arm's ``iif_kwargs`` are recorded only when it has some, so that the configs of the arms without
-    them stay what they were.
+    skipped). An arm's ``iif_kwargs`` are recorded only when it has some, and its ``filter_class`` only when it is
+    not ``IIFCallback``, so that the configs of the arms without them stay what they were.
 
-    :raises ValueError: For an unknown name, an arm that does not apply to ``setting`` (``Arm.settings``), or
+    :raises ValueError: For an unknown name, an arm that does not apply to ``setting`` or ``env`` (``Arm.settings``,
+        ``Arm.envs``), or
         ``rounds`` / ``eval_episodes`` below 1.
     """
     check_names(envs=[env], settings=[setting], arms=[arm], variants=variants)
-    check_applies(arm, setting)
+    check_applies(arm, setting, env)
     spec = ENVS[env]
     kwargs = run_kwargs(spec, setting, variants)
     if rounds is not None:
@@ -201,7 +203,9 @@ def run_config(
         raise ValueError(
             f"rounds and eval_episodes must be >= 1, got rounds={kwargs['rounds']}, eval_episodes={eval_episodes}"
         )
-    extra = {"iif_kwargs": dict(ARMS[arm].iif_kwargs)} if ARMS[arm].iif_kwargs else {}
+    extra: dict[str, Any] = {"iif_kwargs": dict(ARMS[arm].iif_kwargs)} if ARMS[arm].iif_kwargs else {}
+    if ARMS[arm].filter_class != "IIFCallback":
+        extra["filter_class"] = ARMS[arm].filter_class
     return {
         "env": env,
         "env_id": spec.env_id,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from sb3_influence.bench.grid import Job, cpu_hours, grid
-from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, SETTINGS, arms_for, run_kwargs
+from sb3_influence.bench.protocol import ARMS, ENVS, EXTRA_ENVS, PAPER_ENVS, SETTINGS, arms_for, run_kwargs
 from sb3_influence.bench.summary import load_runs, markdown_table, percent, plot, summarize
 
 # The paper's IIF numbers (Hu et al. 2025): SE_ave, SE_peak, RT_peak as (mean, s.e.) in percent (Sec. 5 main
@@ -73,8 +73,8 @@ class _Cell:
         self.runs = load_runs(self.directory)
         self.seeds = list(seeds)
         self.label = f"{env}" if legacy else f"{env} {name}"
-        # The superseded protocol ran the SGD setting
-        self.arms = arms_for("sgd" if legacy else name)
+        # The superseded protocol ran the SGD setting with these arms
+        self.arms = ("ppo", "iif", "random") if legacy else arms_for(name, env=env)
 
     def complete_seeds(self, arm: str) -> list[int]:
         return sorted(set(self.runs.get(arm, {})) & set(self.seeds))
@@ -97,9 +97,10 @@ class _Cell:
 
 
 def _cells(out: str, seeds: Sequence[int]) -> list[_Cell]:
-    """The protocol's cells (:data:`PAPER_ENVS` × their settings) and every variant cell found on disk."""
+    """The protocol's cells (:data:`PAPER_ENVS` and :data:`EXTRA_ENVS` × their settings) and every variant cell found
+    on disk."""
     cells = []
-    for env in PAPER_ENVS:
+    for env in PAPER_ENVS + EXTRA_ENVS:
         names = list(ENVS[env].settings)
         folder = os.path.join(out, env)
         if os.path.isdir(folder):
@@ -267,15 +268,15 @@ def _scores(cells: list[_Cell], kind: str, arms: Sequence[str]) -> dict[str, np.
 
 def _aggregate_groups(cells: list[_Cell]) -> list[tuple[list[_Cell], tuple[str, ...], tuple[str, ...]]]:
     """
-    The task sets of the aggregate statistics: the cells where the arms that apply everywhere (``Arm.settings``
-    ``None``) are complete, with those arms; then, for the arms that apply to only some settings, the cells where
+    The task sets of the aggregate statistics: the cells where the arms that apply everywhere (``Arm.settings`` and
+    ``Arm.envs`` ``None``) are complete, with those arms; then, for the arms that apply to only some cells, the cells where
     every arm that applies is complete (arms with the same cells together). A restricted arm still running does
     not hold back the other arms' statistics.
 
     :return: ``(cells, arms, new)`` per task set: its cells, the arms that apply to all of them, and the arms whose
         comparisons (``Arm.versus``) it reports (all of them in the first set, the restricted ones after).
     """
-    common = tuple(arm for arm, spec in ARMS.items() if spec.settings is None)
+    common = tuple(arm for arm, spec in ARMS.items() if spec.settings is None and spec.envs is None)
     base = [cell for cell in cells if cell.complete_for(common)]
     groups = [(base, common, common)] if base else []
     complete = [cell for cell in cells if cell.complete]
@@ -333,7 +334,7 @@ def _aggregate(cells: list[_Cell], figures: str, relative: str, name: str, title
             images.append(f"![{heading}, {kind} score]({relative}/{stem}_{kind}.png)")
         where = f"Tasks: {', '.join(cell.label for cell in tasks)} ({len(tasks[0].seeds)} seeds each)."
         if number:
-            where = f"{', '.join(new)} (only where it applies). " + where
+            where = f"{', '.join(new)} (only where {'they apply' if len(new) > 1 else 'it applies'}). " + where
         blocks.append("\n".join([where, "", *table, "", *poi, "", "\n\n".join(images)]))
     return "\n\n".join(blocks)
 

@@ -95,6 +95,8 @@ ENVS: Mapping[str, EnvSpec] = MappingProxyType(
         "BipedalWalker": EnvSpec(
             "BipedalWalker-v3", 0.0625, 500, settings=("adam3e-4",), score_range=(-100.0, 300.0), eval_every=10
         ),
+        # Not in the paper: the trajectory-unit comparison's second environment (DTV-Loo's, arXiv 2609.35072)
+        "DoorKey": EnvSpec("MiniGrid-DoorKey-8x8-v0", 0.125, 500, register="minigrid", minigrid=True, eval_every=10),
         # Not in the paper: a few-second smoke test
         "CartPole": EnvSpec("CartPole-v1", 0.5, 2, score_range=(0.0, 500.0)),
     }
@@ -102,6 +104,9 @@ ENVS: Mapping[str, EnvSpec] = MappingProxyType(
 
 # The paper's environments, in the paper's order (the smoke test is not part of the protocol)
 PAPER_ENVS = ("FrozenLake", "Acrobot", "MiniGrid", "highway", "LunarLander", "BipedalWalker")
+
+# Environments beyond the paper's that the docs page reports (run them with --envs)
+EXTRA_ENVS = ("DoorKey",)
 
 # PPO settings shared by every arm and setting (the paper's, Sec. 5; SB3's defaults except ent_coef and clipping)
 PPO_KWARGS: Mapping[str, Any] = MappingProxyType(
@@ -162,16 +167,20 @@ SETTINGS: Mapping[str, OptimizerSetting] = MappingProxyType(
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """
-    One arm of the comparison: how ``IIFCallback`` filters each round (``rule=None``: no filtering, plain PPO).
+    One arm of the comparison: how a round filter (``IIFCallback`` by default) filters each round (``rule=None``:
+    no filtering, plain PPO).
 
-    :param rule: ``IIFCallback`` rule, or ``None``.
+    :param rule: The filter's rule, or ``None``.
     :param label: Name in tables and plots.
     :param color: Matplotlib colour of its curves.
-    :param iif_kwargs: Further ``IIFCallback`` keyword arguments (e.g. another ``target``); the drop fraction is
-        the environment's ``p``. Recorded in the run's config when not empty.
+    :param iif_kwargs: Further keyword arguments of the filter (e.g. another ``target``, ``unit``); the drop
+        fraction is the environment's ``p``. Recorded in the run's config when not empty.
+    :param filter_class: Name of the filter class in ``sb3_influence``, built as ``filter_class(fraction=p, rule=rule,
+        **iif_kwargs)``. Recorded in the run's config when not ``"IIFCallback"``.
     :param settings: Keys of :data:`SETTINGS` the arm runs in; ``None``: every setting. The grid, the status table,
-        the cost estimates and the statistics of a cell use only the arms that apply to its setting
+        the cost estimates and the statistics of a cell use only the arms that apply to its setting and environment
         (:func:`arms_for`).
+    :param envs: Keys of :data:`ENVS` the arm runs in; ``None``: every environment.
     :param versus: Arms it is claimed to beat: the aggregate statistics report ``P(this > other)`` for each, over
         the cells where both apply.
     :param cost: CPU time of one of its runs relative to a run of an arm without scoring overhead of its own (1
@@ -183,13 +192,23 @@ class Arm:
     label: str
     color: str = "tab:gray"
     iif_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    filter_class: str = "IIFCallback"
     settings: tuple[str, ...] | None = None
+    envs: tuple[str, ...] | None = None
     versus: tuple[str, ...] = ()
     cost: float = 1.0
 
-    def applies_to(self, setting: str) -> bool:
-        """Whether the arm runs in the optimizer setting ``setting`` (a key of :data:`SETTINGS`)."""
-        return self.settings is None or setting in self.settings
+    def applies_to(self, setting: str, env: str | None = None) -> bool:
+        """
+        Whether the arm runs in the optimizer setting ``setting`` (a key of :data:`SETTINGS`) and, when given, the
+        environment ``env`` (a key of :data:`ENVS`).
+        """
+        return (self.settings is None or setting in self.settings) and (env is None or self.envs is None or env in self.envs)
+
+    def where(self) -> str:
+        """Where the arm runs, for error messages."""
+        settings = ", ".join(self.settings or SETTINGS)
+        return f"settings {settings}" + (f" of {', '.join(self.envs)}" if self.envs is not None else "")
 
 
 # The optimizer settings whose optimizer is not plain SGD (where an optimizer-aware score can differ from the
@@ -212,32 +231,55 @@ ARMS: Mapping[str, Arm] = MappingProxyType(
             versus=("iif", "ppo"),
             cost=2.0,
         ),
+        # Whole trajectories (issue 13): IIF's score summed per trajectory, and DTV-Loo's consensus score (no
+        # target), both budgeted in records, on MiniGrid in the paper's setting (and the smoke test)
+        "iif-trajectory": Arm(
+            "neg-bottom",
+            "IIF per trajectory",
+            "tab:orange",
+            iif_kwargs=MappingProxyType({"unit": "trajectory"}),
+            settings=("sgd",),
+            envs=("MiniGrid", "DoorKey", "CartPole"),
+            versus=("ppo", "iif"),
+        ),
+        "dtv-loo": Arm(
+            "neg-bottom",
+            "DTV-Loo",
+            "tab:green",
+            filter_class="DTVLooCallback",
+            settings=("sgd",),
+            envs=("MiniGrid", "DoorKey", "CartPole"),
+            versus=("ppo", "iif"),
+            cost=1.5,
+        ),
     }
 )
 
 
-def arms_for(setting: str, arms: Sequence[str] | None = None) -> tuple[str, ...]:
+def arms_for(setting: str, arms: Sequence[str] | None = None, env: str | None = None) -> tuple[str, ...]:
     """
-    The arms that run in an optimizer setting, in :data:`ARMS` order: every consumer of the grid (jobs, status,
-    cost estimates, statistics, plots) asks this.
+    The arms that run in an optimizer setting (and environment), in :data:`ARMS` order: every consumer of the grid
+    (jobs, status, cost estimates, statistics, plots) asks this.
 
     :param setting: A key of :data:`SETTINGS`, or a cell name with variants (``"sgd+drop-partial"``).
     :param arms: Only these keys of :data:`ARMS` (default: all).
-    :return: The keys of the arms of ``arms`` that apply to ``setting``.
+    :param env: A key of :data:`ENVS`; ``None``: the arms of the setting in any environment.
+    :return: The keys of the arms of ``arms`` that apply to ``setting`` (and ``env``).
     """
     base = setting.split("+")[0]
-    check_names(settings=[base], arms=arms or ())
+    check_names(envs=[env] if env is not None else (), settings=[base], arms=arms or ())
     wanted = ARMS if arms is None else set(arms)
-    return tuple(name for name, arm in ARMS.items() if name in wanted and arm.applies_to(base))
+    return tuple(name for name, arm in ARMS.items() if name in wanted and arm.applies_to(base, env))
 
 
-def check_applies(arm: str, setting: str) -> None:
-    """Raise ``ValueError`` if ``arm`` does not run in ``setting``, naming the settings it runs in."""
-    check_names(settings=[setting], arms=[arm])
-    if not ARMS[arm].applies_to(setting):
+def check_applies(arm: str, setting: str, env: str | None = None) -> None:
+    """Raise ``ValueError`` if ``arm`` does not run in ``setting`` (or ``env``), naming where it runs."""
+    check_names(envs=[env] if env is not None else (), settings=[setting], arms=[arm])
+    if not ARMS[arm].applies_to(setting, env):
+        where = f"setting {setting!r}" + (f" of {env!r}" if env is not None else "")
         raise ValueError(
-            f"arm {arm!r} does not apply to setting {setting!r}: it runs in {list(ARMS[arm].settings or SETTINGS)} "
-            f"only (ARMS[{arm!r}].settings); choose one of those settings or another arm"
+            f"arm {arm!r} does not apply to {where}: it runs in {ARMS[arm].where()} only (ARMS[{arm!r}].settings, "
+            f".envs); choose one of those or another arm"
         )
 
 

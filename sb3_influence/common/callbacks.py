@@ -15,7 +15,7 @@ import numpy as np
 from stable_baselines3.common.callbacks import BaseCallback
 
 from sb3_influence.common.files import make_folder
-from sb3_influence.common.filters import DropRule, resolve_drop_rule
+from sb3_influence.common.filters import DropRule, resolve_drop_rule, takes_sizes
 from sb3_influence.common.round import InfluenceModel, InfluenceRound, ScoreRequest
 from sb3_influence.common.snapshots import (
     claim_save_dir,
@@ -26,7 +26,7 @@ from sb3_influence.common.snapshots import (
     snapshot_path,
 )
 from sb3_influence.common.targets import Target, as_target, check_target
-from sb3_influence.common.units import check_unit, to_records, trajectory_sums
+from sb3_influence.common.units import check_budget, check_unit, to_records, trajectory_sums
 
 # Only for logs: rich types (histograms) go to TensorBoard
 _TENSORBOARD_ONLY = ("stdout", "log", "json", "csv")
@@ -108,8 +108,14 @@ class IIFCallback(RoundCallback):
         or ``"unrolled"`` (through the whole update, the most faithful under Adam: about 5x).
     :param unit: ``"record"``: the rule ranks records. ``"trajectory"``: the rule ranks the buffer's trajectories
         by the sum of their records' scores and whole trajectories are dropped (see
-        :mod:`sb3_influence.common.units`); ``n``, ``n_neg`` and ``iif/n_negative`` then count trajectories
+        :mod:`sb3_influence.common.units`); ``n_neg`` and ``iif/n_negative`` then count trajectories
         (``iif/n_dropped`` still counts records).
+    :param budget: How ``fraction`` sizes a trajectory drop (ignored with ``unit="record"``). ``"records"`` (the
+        default): in records, as with ``unit="record"``: ``"neg-bottom"`` drops the most negative trajectories until
+        they hold at least ``floor(fraction · n)`` records, ``n`` the records of the negative trajectories (the last
+        trajectory may overshoot). ``"units"``: in trajectories, ``floor(fraction · n_neg)`` trajectories, which is 0
+        whenever a round has fewer than ``1 / fraction`` negative trajectories. A rule of your own needs a ``sizes``
+        keyword for ``"records"`` (see :mod:`sb3_influence.common.filters`).
     :param verbose: Verbosity level: 0 no output, 1 one line per round.
     """
 
@@ -122,10 +128,12 @@ class IIFCallback(RoundCallback):
         rule: str | DropRule = "neg-bottom",
         optimizer_aware: bool | str = False,
         unit: str = "record",
+        budget: str = "records",
         verbose: int = 0,
     ):
         super().__init__(verbose)
         self.unit = check_unit(unit, "IIFCallback")
+        self.budget = check_budget(budget, "IIFCallback")
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.integer, np.floating)):
             raise TypeError(f"IIFCallback: fraction must be a number in [0, 1], got {fraction!r}")
         if not 0.0 <= float(fraction) <= 1.0:
@@ -136,6 +144,11 @@ class IIFCallback(RoundCallback):
         self.target = as_target(target)
         self.rule = rule
         self._drop_rule = resolve_drop_rule(rule, owner="IIFCallback")
+        if self.sized and not takes_sizes(self._drop_rule):
+            raise ValueError(
+                f"IIFCallback: rule {rule!r} takes no `sizes` keyword, which unit='trajectory' with budget='records' "
+                "passes (the records of each trajectory); add `sizes=None` to its signature, or pass budget='units'"
+            )
         if optimizer_aware not in (False, True, "unrolled"):
             raise ValueError(f"IIFCallback: optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}")
         self.optimizer_aware = optimizer_aware
@@ -152,7 +165,13 @@ class IIFCallback(RoundCallback):
             "target": self.target.name,
             "optimizer_aware": self.optimizer_aware,
             "unit": self.unit,
+            "budget": self.budget,
         }
+
+    @property
+    def sized(self) -> bool:
+        """Whether the rule is given the records per unit (trajectories budgeted in records)."""
+        return self.unit == "trajectory" and self.budget == "records"
 
     def _init_callback(self) -> None:
         super()._init_callback()
@@ -185,7 +204,12 @@ class IIFCallback(RoundCallback):
     def on_round(self, round_: InfluenceRound) -> None:
         buffer = self.model.rollout_buffer
         scores = self.unit_scores(round_)
-        drop = self._drop_rule(scores, self.fraction, self.round_rng(round_))
+        rng = self.round_rng(round_)
+        if self.sized:
+            sizes = np.bincount(buffer.trajectory_ids(), minlength=len(scores))
+            drop = self._drop_rule(scores, self.fraction, rng, sizes=sizes)
+        else:
+            drop = self._drop_rule(scores, self.fraction, rng)
         if self.unit == "trajectory":
             drop = to_records(drop, buffer.trajectory_ids())
         drop = buffer.to_records(drop)

@@ -60,18 +60,22 @@ def dtv_loo_scores(model: Any, batch_size: int | None = None) -> np.ndarray:
 class DTVLooCallback(IIFCallback):
     """
     A round filter: score the trajectories with :func:`dtv_loo_scores` at θ(k) and drop whole trajectories with
-    the rule (default ``"neg-bottom"``: among the ``n_neg`` trajectories opposing the consensus, the
-    ``floor(fraction · n_neg)`` most opposed). Needs an influence algorithm of this package. Logs as
-    ``IIFCallback`` does (``iif/...``; ``iif/n_negative`` counts trajectories).
+    the rule (default ``"neg-bottom"``: the trajectories opposing the consensus, most
+    opposed first, until they hold at least ``floor(fraction · n)`` records, ``n`` the records of the opposing
+    trajectories; with ``budget="units"``, ``floor(fraction · n_neg)`` trajectories). Needs an influence algorithm
+    of this package. Logs as ``IIFCallback`` does (``iif/...``; ``iif/n_negative`` counts trajectories).
 
     :param fraction: The fraction ``p`` in ``[0, 1]``.
     :param rule: The drop rule (a name of :data:`~sb3_influence.common.filters.DROP_RULES` or a ``DropRule``),
         applied to the trajectory scores.
+    :param budget: ``"records"`` or ``"units"``: how ``fraction`` sizes the drop (see ``IIFCallback``).
     :param verbose: Verbosity level: 0 no output, 1 one line per round.
     """
 
-    def __init__(self, fraction: float = 0.125, rule: str | DropRule = "neg-bottom", verbose: int = 0):
-        super().__init__(fraction=fraction, rule=rule, unit="trajectory", verbose=verbose)
+    def __init__(
+        self, fraction: float = 0.125, rule: str | DropRule = "neg-bottom", budget: str = "records", verbose: int = 0
+    ):
+        super().__init__(fraction=fraction, rule=rule, unit="trajectory", budget=budget, verbose=verbose)
 
     @property
     def settings(self) -> dict[str, Any]:

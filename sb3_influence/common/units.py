@@ -13,6 +13,9 @@ import numpy as np
 
 UNITS = ("record", "trajectory")
 
+# How a filter's fraction sizes a drop of whole units: in records or in units
+BUDGETS = ("records", "units")
+
 
 def check_unit(unit: str, owner: str) -> str:
     """
@@ -25,6 +28,19 @@ def check_unit(unit: str, owner: str) -> str:
     if unit not in UNITS:
         raise ValueError(f"{owner}: unit must be one of {UNITS}, got {unit!r}")
     return unit
+
+
+def check_budget(budget: str, owner: str) -> str:
+    """
+    Validate a ``budget`` argument.
+
+    :param budget: ``"records"`` or ``"units"``.
+    :param owner: Who takes it (named in the error).
+    :return: The budget.
+    """
+    if budget not in BUDGETS:
+        raise ValueError(f"{owner}: budget must be one of {BUDGETS}, got {budget!r}")
+    return budget
 
 
 def trajectory_sums(record_values: np.ndarray, trajectory_ids: np.ndarray) -> np.ndarray:
