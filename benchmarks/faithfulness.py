@@ -12,11 +12,14 @@ collects round ``round``'s rollout and scores it with every scorer:
 
 :func:`sb3_influence.analysis.faithfulness.faithfulness` then retrains the round without random subsets (1 %, 5 %,
 20 % of the records) under several minibatch orders and reports LDS, Pearson, the truth's reliability and the
-bottom/top-5 % drop effects. Each finished cell writes ``benchmarks/results/faithfulness/<cell>.json``; finished
+bottom/top-5 % drop effects, with the records left out either removed and the rest re-batched (``--drop-modes
+remove``, what IIF does) or kept in place with loss weight 0 (``zero-weight``, the counterfactual that first-order
+scores describe). Each finished cell writes ``benchmarks/results/faithfulness/<cell>.json``; finished
 cells are skipped on a re-run, so the grid grows across sessions. ``--summary`` writes ``docs/faithfulness.md``'s
 table and plot from whatever result files exist.
 
     nice -n 19 python benchmarks/faithfulness.py --envs CartPole --optimizers sgd adam adam1e-3 --rounds 3 10 --seeds 0
+    nice -n 19 python benchmarks/faithfulness.py --envs CartPole --optimizers adam --drop-modes zero-weight
     python benchmarks/faithfulness.py --summary
 """
 
@@ -111,10 +114,11 @@ def update_cost(model: Any, repeats: int = 3) -> dict[str, float]:
     return {"update_s": float(np.median(plain)), "update_with_aware_s": float(np.median(scored))}
 
 
-def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Namespace) -> Path:
+def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Namespace, drop_mode: str = "remove") -> Path:
     from sb3_influence.analysis.faithfulness import faithfulness
 
-    path = RESULTS / f"{env}_{optimizer}_r{rounds}_s{seed}_n{args.subsets}.json"
+    mode = "" if drop_mode == "remove" else f"_{drop_mode}"
+    path = RESULTS / f"{env}_{optimizer}_r{rounds}_s{seed}_n{args.subsets}{mode}.json"
     if path.exists():
         print(f"skip {path.name} (done)", flush=True)
         return path
@@ -131,6 +135,7 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
         n_orders=args.orders,
         seed=1000 + seed,
         progress=args.progress,
+        drop_mode=drop_mode,
     )
     result.update(
         env=env,
@@ -166,9 +171,9 @@ def summary(out: Path) -> None:
         row["lds"] = {name: float(np.mean([size["lds"][name] for size in sizes])) for name in sizes[0]["lds"]}
         row["ceiling"] = float(np.mean([size["ceiling"] for size in sizes]))
     lines = [
-        "| env | optimizer | round | seed | subsets/size | " + " | ".join(f"LDS {name}" for name in SCORERS) + " | ceiling | "
-        "best ≥ 80 % of ceiling | bottom-5 % drop (single / best), σ | in-run cost |",
-        "|---|---|---|---|---|" + "---|" * len(SCORERS) + "---|---|---|---|",
+        "| env | optimizer | round | seed | drop | subsets/size | " + " | ".join(f"LDS {name}" for name in SCORERS) + " | "
+        "ceiling | best ≥ 80 % of ceiling | bottom-5 % drop (single / best), σ | in-run cost |",
+        "|---|---|---|---|---|---|" + "---|" * len(SCORERS) + "---|---|---|---|",
     ]
     for row in rows:
         lds = [f"{row['lds'][name]:.2f}" if name in row["lds"] else "—" for name in SCORERS]
@@ -177,9 +182,8 @@ def summary(out: Path) -> None:
         extremes = row["extremes"]
         cost = row["cost"]["update_with_aware_s"] / row["cost"]["update_s"] - 1
         lines.append(
-            f"| {row['env']} | {row['optimizer']} | {row['round']} | {row['seed']} | {row['n_subsets']} | "
-            + " | ".join(lds)
-            + f" | "
+            f"| {row['env']} | {row['optimizer']} | {row['round']} | {row['seed']} | {row.get('drop_mode', 'remove')} | "
+            f"{row['n_subsets']} | " + " | ".join(lds) + f" | "
             f"{row['ceiling']:.2f} | {'yes' if ratio >= 0.8 else 'no'} ({best} {ratio:.0%}) | "
             f"{extremes['single']['bottom']:+.1f} / {extremes[best]['bottom']:+.1f} | {cost:+.0%} |"
         )
@@ -191,7 +195,11 @@ def summary(out: Path) -> None:
 
     figure = Figure(figsize=(8, 3.2), layout="constrained")
     ax = figure.subplots()
-    labels = [f"{r['env']}\n{r['optimizer']} r{r['round']} s{r['seed']}" for r in rows]
+    labels = [
+        f"{r['env']}\n{r['optimizer']} r{r['round']} s{r['seed']}"
+        + ("\nzero-w" if r.get("drop_mode") == "zero-weight" else "")
+        for r in rows
+    ]
     x = np.arange(len(rows))
     for offset, name in enumerate(SCORERS):
         ax.bar(x + (offset - 2) * 0.16, [r["lds"].get(name, np.nan) for r in rows], width=0.16, label=name)
@@ -219,6 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--subsets", type=int, default=100, help="random subsets per size")
     parser.add_argument("--orders", type=int, default=4, help="minibatch orders the truth is averaged over")
     parser.add_argument(
+        "--drop-modes",
+        nargs="+",
+        choices=["remove", "zero-weight"],
+        default=["remove"],
+        help="how a retrain leaves records out: removed and re-batched, or kept with loss weight 0",
+    )
+    parser.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -233,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         for rounds in args.rounds:
             for optimizer in args.optimizers:
                 for seed in args.seeds:
-                    run_cell(env, optimizer, rounds, seed, args)
+                    for drop_mode in args.drop_modes:
+                        run_cell(env, optimizer, rounds, seed, args, drop_mode)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch as th
 from conftest import collect_rollout
+from test_optimizer_aware import float64_model
 
 from sb3_influence import InfluencePPO
 from sb3_influence.analysis.faithfulness import faithfulness, retrained_target
@@ -59,3 +60,45 @@ def test_bad_arguments():
         faithfulness(model, {"single": model.compute_influence()}, n_orders=1)
     with pytest.raises(ValueError, match="n_subsets"):
         faithfulness(model, {"single": model.compute_influence()}, n_subsets=2)
+
+
+def test_zero_weight_retrain_without_nothing_is_the_update():
+    model = float64_model("adam", max_grad_norm=0.3)
+    nothing = np.zeros(model.rollout_buffer.keep.shape, dtype=bool)
+    removed = retrained_target(model, nothing, order_seed=3)
+    weighted = retrained_target(model, nothing, order_seed=3, drop_mode="zero-weight")
+    assert weighted == pytest.approx(removed, rel=1e-9)
+
+
+def test_zero_weight_is_a_zero_advantage_without_value_and_entropy_terms():
+    """With vf_coef = ent_coef = 0 and raw advantages, a record of weight 0 is a record of advantage 0 (brute force)."""
+    from sb3_influence.analysis.intervention import target_value
+
+    model = float64_model("adam", max_grad_norm=0.3, vf_coef=0.0, ent_coef=0.0, normalize_advantage=False)
+    buffer = model.rollout_buffer
+    drop = np.zeros(buffer.keep.shape, dtype=bool)
+    drop[np.random.default_rng(0).choice(drop.size, size=12, replace=False) // drop.shape[1], 0] = True
+    weighted = retrained_target(model, drop, order_seed=5, drop_mode="zero-weight")
+    removed = retrained_target(model, drop, order_seed=5)
+    # Brute force: the real update, same order, the dropped records' advantages set to 0
+    advantages = buffer.advantages.copy()
+    np.random.seed(5)
+    model.current_round().first_permutation = np.random.permutation(buffer.n_records)
+    buffer.advantages[drop] = 0.0
+    model.update()
+    buffer.advantages[...] = advantages
+    expected = target_value(model)
+    assert weighted == pytest.approx(expected, rel=1e-9)
+    # Removing re-batches: another retrain
+    assert abs(removed - expected) > 1e-6 * abs(expected)
+
+
+def test_faithfulness_records_its_drop_mode():
+    model = one_step_sgd_model()
+    scores = {"single": model.compute_influence()}
+    result = faithfulness(model, scores, sizes=(0.1,), n_subsets=4, n_orders=2, drop_mode="zero-weight")
+    assert result["drop_mode"] == "zero-weight" and result["lds"]["single"] > 0.5
+    with pytest.raises(ValueError, match="drop_mode must be one of"):
+        faithfulness(model, scores, drop_mode="zero")
+    with pytest.raises(ValueError, match="drop_mode must be one of"):
+        retrained_target(model, np.zeros(model.rollout_buffer.keep.shape, dtype=bool), 0, drop_mode="remove-all")

@@ -1,8 +1,11 @@
 """
 How faithful is a score? The linear datamodeling score (LDS) of one round, by counterfactual retraining.
 
-For random subsets S of the round's records, retrain the round from θ(k) without S (the records are removed and
-the rest re-batched, which is what IIF does) and measure the change of the target, ``Δf_S = f(θ_S) − f(θ_full)``.
+For random subsets S of the round's records, retrain the round from θ(k) without S and measure the change of the
+target, ``Δf_S = f(θ_S) − f(θ_full)``. Two ways to leave S out (``drop_mode``): ``"remove"`` (the records are
+removed and the rest re-batched, which is what IIF does) and ``"zero-weight"`` (the records stay in their
+minibatches, in the same order, with their loss weighted 0: the counterfactual that first-order scores describe,
+without the re-batching).
 A faithful score predicts it: ``Δf_S ≈ −Σ_{i∈S} I_i``. The LDS is the Spearman correlation of prediction and truth
 over the subsets (as dattri and TRAK define it); the Pearson correlation is reported too.
 
@@ -19,40 +22,60 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch as th
 
 from sb3_influence.analysis.formation import _spearman
 from sb3_influence.analysis.intervention import target_value
 from sb3_influence.common import sb3_compat
 from sb3_influence.common.progress import Progress
+from sb3_influence.common.scoring.unrolled import unrolled_replay
 from sb3_influence.common.state import training_state
 from sb3_influence.common.targets import Target, as_target
 
+#: How a retrain leaves records out: removed and the rest re-batched, or kept in place with loss weight 0.
+DROP_MODES = ("remove", "zero-weight")
 
-def retrained_target(model: Any, drop: np.ndarray, order_seed: int, target: str | Target = "return") -> float:
+
+def retrained_target(
+    model: Any, drop: np.ndarray, order_seed: int, target: str | Target = "return", drop_mode: str = "remove"
+) -> float:
     """
     ``f`` after retraining the model's current round from θ(k) without the records ``drop``, with the minibatch
     orders drawn from ``order_seed`` (the first epoch's too).
 
     :param model: An influence algorithm whose buffer holds the round.
-    :param drop: Boolean mask ``(n_steps, n_envs)`` of records to remove.
+    :param drop: Boolean mask ``(n_steps, n_envs)`` of records to leave out.
     :param order_seed: Seed of the minibatch orders.
     :param target: The target measured after the retrain.
+    :param drop_mode: ``"remove"``: the model's own update on the other records (re-batched, as IIF trains).
+        ``"zero-weight"``: every record stays in its minibatch, in the order of ``order_seed``, and the left-out ones
+        have loss weight 0 (the update's differentiable replay, :func:`~sb3_influence.common.scoring.unrolled.
+        unrolled_replay`, which lands on the real update's parameters when nothing is left out; the minibatch's
+        advantage normalisation still counts them). PPO (``InfluencePPO``, ``InfluenceMaskablePPO``) only.
     :return: The target's value.
     """
     from stable_baselines3.common.logger import Logger
 
+    if drop_mode not in DROP_MODES:
+        raise ValueError(f"drop_mode must be one of {DROP_MODES}, got {drop_mode!r}")
     round_ = model.current_round()
     buffer = model.rollout_buffer
     permutation = round_.first_permutation
     with training_state(model) as now:
         base_keep = buffer.keep.copy() if now.keep is None else now.keep
         round_.start_state.restore(model, keep=False)
-        buffer.keep[...] = base_keep & ~drop
+        buffer.keep[...] = base_keep & ~drop if drop_mode == "remove" else base_keep
         sb3_compat.set_model_logger(model, Logger(folder=None, output_formats=[]))
         np.random.seed(order_seed)
         round_.first_permutation = np.random.permutation(buffer.n_records)
         try:
-            if buffer.keep.any():
+            if drop_mode == "zero-weight":
+                weights = th.as_tensor(~buffer.to_flat(drop), dtype=th.float64)
+                theta = unrolled_replay(model, weights, numpy_rng=np.random.get_state())
+                with th.no_grad():
+                    for name, param in model.policy.named_parameters():
+                        param.copy_(theta[name])
+            elif buffer.keep.any():
                 model.update()
             return target_value(model, target)
         finally:
@@ -75,6 +98,7 @@ def faithfulness(
     target: str | Target = "return",
     seed: int = 0,
     progress: bool = False,
+    drop_mode: str = "remove",
 ) -> dict[str, Any]:
     """
     LDS, Pearson correlation and extreme-drop effects of several scores of the model's current round.
@@ -89,10 +113,14 @@ def faithfulness(
     :param seed: Seed of the subsets and the orders.
     :param progress: Show the retrains done and an ETA (:class:`~sb3_influence.common.progress.Progress`: a tqdm
         bar on a terminal, else a plain line on stdout every 30 s); it changes no result.
+    :param drop_mode: How every retrain leaves its records out: ``"remove"`` (re-batched, as IIF trains) or
+        ``"zero-weight"`` (kept in their minibatches with loss weight 0); see :func:`retrained_target`.
     :return: Dict with ``per_size`` (one dict per size: ``lds`` and ``pearson`` by score, ``reliability``, ``ceiling``),
         ``lds``/``pearson`` over all subsets by score, ``reliability``, ``ceiling``, ``extremes`` (per score, effect of
-        dropping its bottom/top 5 % in standard deviations of random 5 % drops), ``n_retrains``.
+        dropping its bottom/top 5 % in standard deviations of random 5 % drops), ``n_retrains``, ``drop_mode``.
     """
+    if drop_mode not in DROP_MODES:
+        raise ValueError(f"drop_mode must be one of {DROP_MODES}, got {drop_mode!r}")
     if n_orders < 2:
         raise ValueError(f"n_orders must be at least 2 (the split-half reliability needs two halves), got {n_orders}")
     if n_subsets < 3:
@@ -110,7 +138,7 @@ def faithfulness(
     def retrain(drop: np.ndarray) -> np.ndarray:
         values = []
         for order_seed in order_seeds:
-            values.append(retrained_target(model, drop, int(order_seed), target))
+            values.append(retrained_target(model, drop, int(order_seed), target, drop_mode))
             reporter.update(1)
         return np.array(values)
 
@@ -187,4 +215,5 @@ def faithfulness(
         "ceiling": float(np.sqrt(max(reliability, 0.0))),
         "extremes": extremes,
         "n_retrains": n_retrains,
+        "drop_mode": drop_mode,
     }

@@ -117,13 +117,17 @@ def _initial_state(optimizer: th.optim.Optimizer, param: nn.Parameter) -> dict[s
     return state
 
 
-def unrolled_replay(model: Any, weights: th.Tensor | None = None) -> dict[str, th.Tensor]:
+def unrolled_replay(model: Any, weights: th.Tensor | None = None, numpy_rng: Any = None) -> dict[str, th.Tensor]:
     """
     Replay the current round's update from θ(k), differentiably, with record weights; restore the model after.
 
     :param model: An ``InfluencePPO`` whose buffer holds the round.
-    :param weights: Per-record loss weights, flat by record id (``None``: all ones). Gradients flow back to them.
-    :return: The final parameters θ_J by name (graph attached).
+    :param weights: Per-record loss weights, flat by record id (``None``: all ones). When they require grad,
+        gradients flow back to them and the whole update's graph is kept; otherwise each step is detached (a plain
+        weighted retrain, e.g. with zeros for dropped records that stay in their minibatches).
+    :param numpy_rng: numpy's global RNG state (``np.random.get_state()``) that the later epochs' minibatch orders are
+        drawn from; ``None``: the round's start state, i.e. the orders of the real update.
+    :return: The final parameters θ_J by name (graph attached when ``weights`` requires grad).
     """
     if model.target_kl is not None:
         raise ValueError("optimizer_aware='unrolled' does not replay target_kl early stopping: set target_kl=None")
@@ -133,8 +137,11 @@ def unrolled_replay(model: Any, weights: th.Tensor | None = None) -> dict[str, t
     buffer = model.rollout_buffer
     if weights is None:
         weights = th.ones(buffer.n_records, dtype=th.float64)
+    differentiable = weights.requires_grad
     with training_state(model):
         round_.start_state.restore(model, keep=False)
+        if numpy_rng is not None:
+            np.random.set_state(numpy_rng)
         progress = sb3_compat.progress_remaining(model)
         lr = float(model.lr_schedule(progress))
         clip_range = model.clip_range(progress)
@@ -157,7 +164,7 @@ def unrolled_replay(model: Any, weights: th.Tensor | None = None) -> dict[str, t
                     losses, {f"policy.{k}": v for k, v in theta.items()}, arguments, tie_weights=False
                 )
                 loss = (weights[th.as_tensor(ids)].to(per_record.dtype) * per_record).mean()
-                grads = th.autograd.grad(loss, list(theta.values()), create_graph=True, allow_unused=True)
+                grads = th.autograd.grad(loss, list(theta.values()), create_graph=differentiable, allow_unused=True)
                 grads = tuple(th.zeros_like(t) if g is None else g for g, t in zip(grads, theta.values(), strict=True))
                 norm = th.sqrt(sum((g * g).sum() for g in grads))  # type: ignore[arg-type]
                 coefficient = th.clamp(model.max_grad_norm / (norm + 1e-6), max=1.0)
@@ -165,6 +172,12 @@ def unrolled_replay(model: Any, weights: th.Tensor | None = None) -> dict[str, t
                     name: _optimizer_step(optimizer, group_of[named[name]], value, grad * coefficient, states[name], lr)
                     for (name, value), grad in zip(theta.items(), grads, strict=True)
                 }
+                if not differentiable:
+                    theta = {name: value.detach().requires_grad_(True) for name, value in theta.items()}
+                    for state in states.values():
+                        for key, value in state.items():
+                            if isinstance(value, th.Tensor):
+                                state[key] = value.detach()
     return theta
 
 
