@@ -44,7 +44,7 @@ each. Readable ``.npz`` files that are not snapshots (``evaluations.npz`` of an 
 folder are skipped with a warning.
 """
 
-from sb3_influence.common.snapshots.reader import SCALAR_COLUMNS, Snapshot, SnapshotError, as_snapshot, load_snapshot
+from sb3_influence.common.snapshots.reader import Snapshot, SnapshotError, as_snapshot, load_snapshot
 from sb3_influence.common.snapshots.runs import ON_ERROR, load_all, run_key, snapshot_files
 from sb3_influence.common.snapshots.frames import load_snapshots, snapshot_frame
 from sb3_influence.common.snapshots.records import record_arrays, snapshot_metadata, vec_normalize_metadata
@@ -59,7 +59,6 @@ from sb3_influence.common.snapshots.writer import (
 __all__ = [
     "ON_ERROR",
     "ORPHAN_AGE",
-    "SCALAR_COLUMNS",
     "Snapshot",
     "SnapshotError",
     "as_snapshot",
