@@ -517,3 +517,46 @@ def test_snapshot_diagnosis_equals_the_live_diagnosis_with_two_envs(tmp_path):
     assert compared >= 1
     with pytest.raises(ValueError, match="gamma"):
         snapshot_diagnosis({key: value for key, value in snapshots[0].arrays.items() if key != "metadata"})
+
+
+def test_snapshot_diagnosis_sign_flips_of_a_hand_built_two_env_round(tmp_path):
+    """
+    sign_flips_bottom by hand, n_envs = 2: the two most harmful records are in env 1, at record ids 1 · 20 + 3 = 23
+    and 1 · 20 + 7 = 27 (env-major), and only they flip; read step-major, ids 23 and 27 would be other records.
+    """
+    from sb3_influence.analysis import snapshot_diagnosis
+
+    n_steps, n_envs = 20, 2
+    steps, envs = np.indices((n_steps, n_envs))
+    obs = (steps * n_envs + envs).astype(np.float32)[..., None]  # every state seen once (Ā = 0)...
+    action = np.zeros((n_steps, n_envs), dtype=np.int64)
+    reward = np.zeros((n_steps, n_envs), dtype=np.float32)
+    advantage = np.full((n_steps, n_envs), 0.5, dtype=np.float32)
+    influence = 1.0 + np.arange(n_steps * n_envs, dtype=np.float64).reshape(n_steps, n_envs)
+    # ...but state 100, taken at steps 3 and 7 of both envs. gamma = 0: the return-to-go is the reward, so
+    # Q̄(100, 0) = 1, Q̄(100, 1) = 0, V̄(100) = 0.5: Ā = +0.5 for action 0, -0.5 for action 1
+    for (step, env), (a, a_hat, score) in {
+        (3, 0): (0, 1.0, 5.0),  # Ā·Â = +0.5
+        (7, 0): (1, -1.0, 6.0),  # Ā·Â = +0.5
+        (3, 1): (1, 1.0, -2.0),  # Ā·Â = -0.5: a flip, the most harmful record
+        (7, 1): (0, -2.0, -1.0),  # Ā·Â = -1.0: a flip, the second most harmful
+    }.items():
+        obs[step, env], action[step, env], advantage[step, env], influence[step, env] = 100.0, a, a_hat, score
+        reward[step, env] = float(a == 0)
+    arrays = {
+        "obs": obs,
+        "action": action,
+        "reward": reward,
+        "episode_start": np.zeros((n_steps, n_envs), dtype=bool),
+        "advantage": advantage,
+        "influence/return": influence,
+        "keep": np.ones((n_steps, n_envs), dtype=bool),
+        "round": np.array(4),
+    }
+    path = save_snapshot(str(tmp_path / "snapshot_round000004_40_steps.npz"), arrays, {"config": {"gamma": 0.0}})
+    for snapshot, gamma in ((path, None), (arrays, 0.0)):
+        result = snapshot_diagnosis(snapshot, gamma=gamma)
+        assert result["round"] == 4
+        assert result["sign_flips_bottom"] == 1.0  # the 5 % most harmful: 2 records of 40, both flips
+        assert result["sign_flips"] == pytest.approx(2 / 40)
+        assert result["revisited"] == pytest.approx(4 / 40)  # state 100 is taken with two actions

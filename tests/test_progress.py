@@ -2,6 +2,7 @@ import io
 import json
 import os
 import re
+import sys
 
 import pytest
 
@@ -85,13 +86,15 @@ def test_eta_before_the_first_unit_and_bad_arguments():
         progress.update(-1)
 
 
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal, so that ``Progress`` shows a tqdm bar on it."""
+
+    def isatty(self):
+        return True
+
+
 def test_bar_on_a_terminal():
     pytest.importorskip("tqdm")
-
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
     stream = Terminal()
     progress = Progress(2, unit="round", desc="bench run", stream=stream)
     assert progress._bar is not None
@@ -175,7 +178,16 @@ def test_grid_progress_counts_a_resumed_run_from_its_checkpoint(tmp_path):
         bench.run_grid([job], out, progress_interval=-1)
 
 
-def test_report_and_faithfulness_give_the_same_results_with_progress(tmp_path, capsys):
+def _on_a_terminal(monkeypatch, work, *args, **kwargs):
+    """``work(*args, **kwargs)`` with ``sys.stdout`` a terminal; its result and what it printed."""
+    terminal = Terminal()
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "stdout", terminal)
+        result = work(*args, **kwargs)
+    return result, terminal.getvalue()
+
+
+def test_report_and_faithfulness_give_the_same_results_with_progress(tmp_path, monkeypatch):
     import numpy as np
     import torch as th
     from conftest import collect_rollout
@@ -191,13 +203,22 @@ def test_report_and_faithfulness_give_the_same_results_with_progress(tmp_path, c
     calls = []
     snapshots = load_all(tmp_path / "run", on_file=lambda done, total: calls.append((done, total)))
     assert calls == [(1, 3), (2, 3), (3, 3)] and len(snapshots) == 3
-    pages = [build_report(tmp_path / "run", tmp_path / f"report_{on}", progress=on).read_bytes() for on in (False, True)]
-    assert pages[0] == pages[1]
+    # On a terminal, so that progress shows (a bar) even for work this short; off, nothing is shown
+    page_off, report_off = _on_a_terminal(monkeypatch, build_report, tmp_path / "run", tmp_path / "off", progress=False)
+    page_on, report_on = _on_a_terminal(monkeypatch, build_report, tmp_path / "run", tmp_path / "on", progress=True)
+    assert page_off.read_bytes() == page_on.read_bytes()
     model = InfluencePPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1, learning_rate=1e-3, seed=0,
                          policy_kwargs=dict(net_arch=[16], optimizer_class=th.optim.SGD))  # fmt: skip
     collect_rollout(model)
     scores = {"single": model.compute_influence()}
-    results = [faithfulness(model, scores, sizes=(0.1,), n_subsets=3, n_orders=2, progress=on) for on in (False, True)]
-    assert results[0]["n_retrains"] == 2 * (1 + 3 + 5 + 2)
-    np.testing.assert_equal(results[0], results[1])
-    assert capsys.readouterr().out == ""  # short work: no progress line
+    settings = dict(sizes=(0.1,), n_subsets=3, n_orders=2)
+    result_off, retrains_off = _on_a_terminal(monkeypatch, faithfulness, model, scores, progress=False, **settings)
+    result_on, retrains_on = _on_a_terminal(monkeypatch, faithfulness, model, scores, progress=True, **settings)
+    n_retrains = result_off["n_retrains"]
+    assert n_retrains == 2 * (1 + 3 + 5 + 2)
+    np.testing.assert_equal(result_off, result_on)
+    assert report_off == "" and retrains_off == ""
+    pytest.importorskip("tqdm", reason="the progress shown is checked on tqdm's bar")
+    # The bar counted every file read and every retrain, up to the planned total
+    assert re.search(r"report: reading: 100%\|.*\| 3/3 ", report_on), report_on
+    assert re.search(rf"faithfulness: 100%\|.*\| {n_retrains}/{n_retrains} ", retrains_on), retrains_on

@@ -12,6 +12,7 @@ from stable_baselines3.common.env_util import make_vec_env
 from sb3_influence import AttributionCallback, IIFCallback, InfluencePPO, load_snapshot, load_snapshots
 from sb3_influence.common import snapshots
 from sb3_influence.common.callbacks import RoundCallback
+from sb3_influence.common.snapshots.records import jsonable
 
 TINY = dict(n_steps=32, batch_size=16, n_epochs=1, policy_kwargs=dict(net_arch=[8]))
 
@@ -140,7 +141,7 @@ def test_loading_errors(tmp_path):
 
 def test_metadata_is_plain_json(tmp_path):
     # Schedules, classes and numpy values end up as JSON, never as pickles
-    metadata = snapshots._jsonable({"f": np.float32(0.5), "cls": InfluencePPO, "arr": np.arange(3), "t": (1, 2)})
+    metadata = jsonable({"f": np.float32(0.5), "cls": InfluencePPO, "arr": np.arange(3), "t": (1, 2)})
     assert json.loads(json.dumps(metadata)) == {
         "f": 0.5,
         "cls": "sb3_influence.influence_ppo.influence_ppo.InfluencePPO",
