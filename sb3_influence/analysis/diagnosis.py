@@ -18,14 +18,12 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_influence.analysis._callbacks import AnalysisCallback
 from sb3_influence.common.snapshots import as_snapshot
+from sb3_influence.common.snapshots.reader import SCALAR_COLUMNS
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from sb3_influence.influence_ppo import InfluencePPO
-
-_RECORD_COLUMNS = ("reward", "advantage", "training_advantage", "return", "value", "log_prob", "episode_start", "keep")
-
 
 def top_bottom_records(snapshot: Any, target: str | None = None, k: int = 10) -> "pd.DataFrame":
     """
@@ -46,7 +44,7 @@ def top_bottom_records(snapshot: Any, target: str | None = None, k: int = 10) ->
     n_steps, _ = snapshot.layout
     order = np.argsort(scores, kind="stable")
     k = min(int(k), scores.size)
-    columns = {name: snapshot.flat(name) for name in (*_RECORD_COLUMNS, "obs", "action") if name in snapshot.arrays}
+    columns = {name: snapshot.flat(name) for name in (*SCALAR_COLUMNS, "obs", "action") if name in snapshot.arrays}
     rows = []
     for group, record_ids in (("top", order[::-1][:k]), ("bottom", order[:k])):
         for rank, record_id in enumerate(record_ids, start=1):
