@@ -53,12 +53,12 @@ class LinearScorer:
         self, module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
     ) -> th.Tensor:
         n = inputs.shape[0]
-        out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
-        if v_weight is not None:
-            out = out + (F.linear(inputs, v_weight) * grad_out).reshape(n, -1).sum(dim=1)
-        if v_bias is not None:
-            out = out + grad_out.reshape(n, -1, grad_out.shape[-1]).sum(dim=1) @ v_bias
-        return out
+        if v_weight is None:
+            if v_bias is None:
+                return th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
+            return grad_out.reshape(n, -1, grad_out.shape[-1]).sum(dim=1) @ v_bias
+        # The layer applied to x_i with (P, p_b): ⟨g_i, x_i Pᵀ + p_b⟩ is both terms at once
+        return th.linalg.vecdot(F.linear(inputs, v_weight, v_bias).reshape(n, -1), grad_out.reshape(n, -1))
 
 
 class ConvScorer:
@@ -75,13 +75,13 @@ class ConvScorer:
         self, module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
     ) -> th.Tensor:
         n = inputs.shape[0]
-        out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
-        if v_weight is not None:
-            direction = module._conv_forward(inputs, v_weight, None)  # type: ignore[operator]
-            out = out + (direction * grad_out).reshape(n, -1).sum(dim=1)
-        if v_bias is not None:
-            out = out + grad_out.reshape(n, grad_out.shape[1], -1).sum(dim=2) @ v_bias
-        return out
+        if v_weight is None:
+            if v_bias is None:
+                return th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
+            return grad_out.reshape(n, grad_out.shape[1], -1).sum(dim=2) @ v_bias
+        # The layer applied to x_i with (P, p_b): the bias term ⟨Σ_positions g_i, p_b⟩ comes with it
+        direction = module._conv_forward(inputs, v_weight, v_bias)  # type: ignore[operator]
+        return th.linalg.vecdot(direction.reshape(n, -1), grad_out.reshape(n, -1))
 
 
 #: The scorers used unless a model is given others.
