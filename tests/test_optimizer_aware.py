@@ -250,3 +250,52 @@ def test_second_moment_term_matches_brute_force(optimizer):
         model.rollout_buffer.to_records(scorer.scores), expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max()
     )
     assert not np.allclose(expected, brute_force(model), rtol=1e-6)  # the term is not negligible in this round
+
+
+@pytest.mark.parametrize("steps_per_batch", [1, 4])
+def test_steps_scored_in_batches_of_any_size(steps_per_batch):
+    """The ghost dot products of several steps are computed together: how many at once changes nothing."""
+    from sb3_influence import ReturnTarget
+    from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
+
+    # batch_size 20 of 48 records: two minibatches of 20 and one of 8 per epoch (a batch ends when the size changes)
+    model = float64_model("adam", action="box", batch_size=20, max_grad_norm=0.05)
+    scorer = OptimizerAwareScorer(model, ReturnTarget(), 4096, steps_per_batch=steps_per_batch)
+    model.replay_update([scorer])
+    expected = brute_force(model)
+    np.testing.assert_allclose(
+        model.rollout_buffer.to_records(scorer.scores), expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max()
+    )
+
+
+@pytest.mark.parametrize(
+    "module, input_shape",
+    [
+        (th.nn.Linear(5, 3), (4, 5)),
+        (th.nn.Linear(5, 3, bias=False), (4, 2, 5)),
+        (th.nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=1, groups=2), (4, 4, 7, 7)),
+        (th.nn.Conv1d(3, 2, 2, dilation=2), (4, 3, 9)),
+        (th.nn.Conv2d(2, 3, 3, padding=1, padding_mode="circular"), (4, 2, 5, 5)),
+    ],
+)
+def test_layer_dot_products_of_several_calls_at_once(module, input_shape):
+    """``dot_steps`` (several calls, each with its own direction) is ``dot`` call by call."""
+    from sb3_influence.common.scoring.layers import DEFAULT_LAYER_SCORERS
+
+    scorer = next(s for s in DEFAULT_LAYER_SCORERS if s.handles(module))
+    module = module.double()
+    generator = th.Generator().manual_seed(0)
+    calls = 3
+    inputs = th.randn(calls, *input_shape, generator=generator, dtype=th.float64)
+    grad_out = th.randn(calls, *module(inputs[0]).shape, generator=generator, dtype=th.float64)
+    v_weight = th.randn(calls, *module.weight.shape, generator=generator, dtype=th.float64)
+    v_bias = None if module.bias is None else th.randn(calls, *module.bias.shape, generator=generator, dtype=th.float64)
+    for weight, bias in ((v_weight, v_bias), (None, v_bias), (v_weight, None)):
+        if weight is None and bias is None:
+            continue
+        together = scorer.dot_steps(module, inputs, grad_out, weight, bias)
+        one_by_one = [
+            scorer.dot(module, inputs[e], grad_out[e], None if weight is None else weight[e], None if bias is None else bias[e])
+            for e in range(calls)
+        ]
+        th.testing.assert_close(together, th.stack(one_by_one), rtol=1e-12, atol=1e-12)

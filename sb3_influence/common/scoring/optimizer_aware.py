@@ -32,6 +32,7 @@ normalisation, and momentum carried into later rounds (the look-ahead stops at t
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -86,96 +87,160 @@ class _Spreads:
         return self._values[key]
 
 
-def _flat(tensors: list[th.Tensor]) -> th.Tensor:
-    """The tensors laid end to end."""
-    return th.cat([tensor.reshape(-1) for tensor in tensors])
+def _flat(tensors: list[th.Tensor], out: th.Tensor | None = None) -> th.Tensor:
+    """The tensors laid end to end (into ``out`` when given)."""
+    return th.cat([tensor.reshape(-1) for tensor in tensors], out=out)
 
 
-def _flat_state(optimizer: th.optim.Optimizer, params: list[nn.Parameter], key: str) -> th.Tensor:
-    """The optimizer's state ``key`` of ``params`` laid end to end, a new tensor (zeros where there is none yet)."""
-    states = [optimizer.state.get(param, {}).get(key) for param in params]
-    return _flat([th.zeros_like(param) if state is None else state for param, state in zip(params, states, strict=True)])
-
-
-def _per_parameter(values: list[float], params: list[nn.Parameter]) -> float | th.Tensor:
-    """One number per parameter: that number when they are all equal (the usual case), else a flat tensor."""
-    if all(value == values[0] for value in values):
-        return values[0]
-    return _flat([th.full_like(param, value) for param, value in zip(params, values, strict=True)])
-
-
-def _group_map(
-    optimizer: th.optim.Optimizer,
-    group: dict[str, Any],
-    params: list[nn.Parameter],
-    grad: th.Tensor,
-    v: th.Tensor,
-    steps_left: int,
-    second_moment: bool,
-    spreads: Callable[[float, int, int], float] = _momentum_spread,
-) -> th.Tensor:
+class _GroupSteps:
     """
-    ``M_jᵀ v`` for some parameters of one parameter group, on flat vectors (see :func:`update_map`).
+    The update map (:func:`update_map`) of one parameter group at several optimiser steps at once: :meth:`record`
+    keeps, at each step, what the map needs from the optimizer (its state before the step, step counts, the
+    learning rate) in one row per step, and :meth:`directions` computes ``M_jᵀ v`` of every row with a few
+    operations on ``(steps, parameters)`` matrices.
 
-    :param optimizer: The optimizer (its state before this step).
+    :param optimizer: The optimizer.
     :param group: The parameter group.
-    :param params: The parameters, in the order of ``grad`` and ``v``.
-    :param grad: This step's gradients of ``params``, laid end to end (not modified).
-    :param v: The direction for ``params``, laid end to end (not modified).
-    :param steps_left: Steps of the round from this one on (≥ 1).
+    :param params: Its parameters (all of them or some), in the order of the rows' columns.
+    :param rows: Steps it can hold.
     :param second_moment: See :func:`update_map`.
-    :param spreads: ``spreads(β, step, steps_left)``: :func:`_momentum_spread` or a cache of it (:class:`_Spreads`).
-    :return: ``M_jᵀ v``, laid end to end.
     """
-    lr = float(group["lr"])
-    if isinstance(optimizer, (th.optim.Adam, th.optim.AdamW)):
-        beta1, beta2 = group["betas"]
-        # Adam's L2 penalty enters the moments; AdamW's decay is decoupled (recent torch: AdamW subclasses Adam)
-        decoupled = isinstance(optimizer, th.optim.AdamW) or group.get("decoupled_weight_decay", False)
-        if group["weight_decay"] and not decoupled:
-            grad = grad + group["weight_decay"] * _flat([param.detach() for param in params])
-        steps = [int(optimizer.state.get(param, {}).get("step", 0)) + 1 for param in params]
-        # The second-moment estimate and the denominator this step will use, with Adam's own expressions
-        exp_avg_sq = _flat_state(optimizer, params, "exp_avg_sq").mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        if group.get("amsgrad", False):
-            # (zeros where there is no maximum yet: the estimate is never negative)
-            exp_avg_sq = th.maximum(_flat_state(optimizer, params, "max_exp_avg_sq"), exp_avg_sq)
-        root = exp_avg_sq.sqrt_().div_(_per_parameter([math.sqrt(1 - beta2**step) for step in steps], params))
-        denominator = root + group["eps"] if second_moment else root.add_(group["eps"])
-        # Bias-corrected momentum spreads this step's gradient over the rest of the round
-        spread = _per_parameter([spreads(beta1, step, steps_left) for step in steps], params)
-        direction = th.div(v, denominator).mul_(spread * lr)
-        if second_moment:
-            # The gradient also enters v̂, the denominator of this and the later steps:
-            # ∂(m̂/(√v̂+ε))/∂v̂ = −m̂ / (2√v̂ (√v̂+ε)²), ∂v̂_t/∂g_j = 2(1−β2)β2^(t−j) g_j / (1−β2^s_t)
-            exp_avg = _flat_state(optimizer, params, "exp_avg") * beta1 + (1 - beta1) * grad
-            m_hat = exp_avg / _per_parameter([1 - beta1**step for step in steps], params)
-            spread_v = _per_parameter([spreads(beta2, step, steps_left) for step in steps], params)
-            safe_root = th.where(root > 0, root, th.ones_like(root))
-            direction = direction - lr * spread_v * m_hat * grad * v / (safe_root * denominator**2)
-        return direction
-    if isinstance(optimizer, th.optim.SGD):
-        momentum, dampening = float(group["momentum"]), float(group["dampening"])
-        if momentum == 0:
-            return lr * v
-        # torch: buf = g on the first step, else momentum · buf + (1 − dampening) · g
-        geometric = sum(momentum**t for t in range(steps_left))
-        spreads_sgd = []
-        for param in params:
-            first = (1.0 if optimizer.state.get(param, {}).get("momentum_buffer") is None else 1 - dampening) * geometric
-            spreads_sgd.append(1 + momentum * first if group["nesterov"] else first)
-        return lr * _per_parameter(spreads_sgd, params) * v
-    # RMSprop
-    alpha = float(group["alpha"])
-    if group["weight_decay"]:
-        grad = grad + group["weight_decay"] * _flat([param.detach() for param in params])
-    square_avg = _flat_state(optimizer, params, "square_avg") * alpha + (1 - alpha) * grad * grad
-    if group["centered"]:
-        grad_avg = _flat_state(optimizer, params, "grad_avg") * alpha + (1 - alpha) * grad
-        square_avg = square_avg - grad_avg * grad_avg
-    momentum = float(group["momentum"])
-    spread = 1.0 if momentum == 0 else sum(momentum**t for t in range(steps_left))
-    return lr * spread * v / (square_avg.sqrt() + group["eps"])
+
+    def __init__(
+        self, optimizer: th.optim.Optimizer, group: dict[str, Any], params: list[nn.Parameter], rows: int, second_moment: bool
+    ):
+        check_optimizer(optimizer)
+        self.optimizer, self.group, self.params, self.second_moment = optimizer, group, params, second_moment
+        self.adam = isinstance(optimizer, (th.optim.Adam, th.optim.AdamW))
+        self.sgd = isinstance(optimizer, th.optim.SGD)
+        if self.adam:
+            keys = ["exp_avg_sq"] + ["max_exp_avg_sq"] * bool(group.get("amsgrad", False)) + ["exp_avg"] * second_moment
+            # Adam's L2 penalty enters the moments; AdamW's decay is decoupled (recent torch: AdamW subclasses Adam)
+            decoupled = isinstance(optimizer, th.optim.AdamW) or group.get("decoupled_weight_decay", False)
+            penalty = bool(group["weight_decay"]) and not decoupled
+        elif self.sgd:
+            keys, penalty = [], False  # (SGD's weight decay does not depend on the gradient)
+        else:  # RMSprop
+            keys, penalty = ["square_avg"] + ["grad_avg"] * bool(group["centered"]), bool(group["weight_decay"])
+        size = sum(param.numel() for param in params)
+        first = params[0]
+        self.states = {key: th.zeros(rows, size, dtype=first.dtype, device=first.device) for key in keys}
+        # The parameters at each step, for the L2 penalty that is part of the gradient
+        self.weights = th.zeros(rows, size, dtype=first.dtype, device=first.device) if penalty else None
+        self.sizes = [param.numel() for param in params]
+        self.counts: list[list[Any]] = []  # per row: Adam's step per parameter, SGD's "momentum buffer exists"
+        self.lrs: list[float] = []
+        self.steps_left: list[int] = []
+        self._states_of: Any = None
+        self._states_cache: list[dict[str, Any]] = []
+
+    def record(self, row: int, steps_left: int) -> None:
+        """
+        Keep this step's optimizer quantities in ``row`` (rows are filled in order from 0; called after
+        ``backward()`` and clipping, before ``optimizer.step()``).
+
+        :param row: The row.
+        :param steps_left: Steps of the round from this one on (≥ 1).
+        """
+        del self.counts[row:], self.lrs[row:], self.steps_left[row:]
+        states = self._states()
+        for key, rows in self.states.items():
+            values = [state.get(key) for state in states]
+            _flat([th.zeros_like(p) if t is None else t for p, t in zip(self.params, values, strict=True)], out=rows[row])
+        if self.weights is not None:
+            _flat([param.detach() for param in self.params], out=self.weights[row])
+        if self.adam:
+            self.counts.append([int(state.get("step", 0)) + 1 for state in states])
+        elif self.sgd:
+            self.counts.append([state.get("momentum_buffer") is not None for state in states])
+        self.lrs.append(float(self.group["lr"]))
+        self.steps_left.append(max(1, int(steps_left)))
+
+    def _states(self) -> list[dict[str, Any]]:
+        """The optimizer's state of each parameter (``{}`` where there is none yet)."""
+        if self._states_of is not self.optimizer.state:
+            # Each parameter's state is one dict the optimizer updates in place: look them up again only when
+            # the optimizer's state was replaced (load_state_dict) or some parameter had none yet
+            states = [self.optimizer.state.get(param) for param in self.params]
+            if any(state is None for state in states):
+                return [{} if state is None else state for state in states]
+            self._states_of, self._states_cache = self.optimizer.state, states
+        return self._states_cache
+
+    def _column(self, values: list[list[float]], like: th.Tensor) -> th.Tensor:
+        """One number per row and parameter: ``(rows, 1)`` when each row's are equal (the usual case), else per column."""
+        if all(all(value == row[0] for value in row) for row in values):
+            return th.tensor([[row[0]] for row in values], dtype=like.dtype, device=like.device)
+        sizes = th.tensor(self.sizes, device=like.device)
+        return th.tensor(values, dtype=like.dtype, device=like.device).repeat_interleave(sizes, dim=1)
+
+    def directions(
+        self, grad: th.Tensor, v: th.Tensor, spreads: Callable[[float, int, int], float], out: th.Tensor | None = None
+    ) -> th.Tensor:
+        """
+        ``M_jᵀ v`` for the recorded rows. The rows are used up: their buffers serve as scratch space (the
+        computation is in place, so that no ``(rows, size)`` temporary is allocated).
+
+        :param grad: The rows' gradients, ``(rows, size)`` (not modified).
+        :param v: The direction, ``(size,)``.
+        :param spreads: ``spreads(β, step, steps_left)``: :func:`_momentum_spread` or a cache of it (:class:`_Spreads`).
+        :param out: Where to write the result (``(rows, size)``), or ``None``.
+        :return: ``(rows, size)``.
+        """
+        group, rows = self.group, len(self.lrs)
+        if self.weights is not None:
+            grad = grad + group["weight_decay"] * self.weights[:rows]
+        if self.adam:
+            beta1, beta2 = group["betas"]
+            # The second-moment estimate and the denominator each step will use, with Adam's own expressions
+            exp_avg_sq = self.states["exp_avg_sq"][:rows].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            if group.get("amsgrad", False):
+                # (zeros where there is no maximum yet: the estimate is never negative)
+                exp_avg_sq = th.maximum(self.states["max_exp_avg_sq"][:rows], exp_avg_sq, out=exp_avg_sq)
+            correction = self._column([[math.sqrt(1 - beta2**step) for step in row] for row in self.counts], grad)
+            root = exp_avg_sq.sqrt_().div_(correction)
+            denominator = root + group["eps"] if self.second_moment else root.add_(group["eps"])
+            # Bias-corrected momentum spreads each step's gradient over the rest of the round
+            scale = [
+                [lr * spreads(beta1, step, left) for step in row]
+                for row, lr, left in zip(self.counts, self.lrs, self.steps_left, strict=True)
+            ]
+            direction = th.div(v, denominator, out=out).mul_(self._column(scale, grad))
+            if self.second_moment:
+                # The gradient also enters v̂, the denominator of this and the later steps:
+                # ∂(m̂/(√v̂+ε))/∂v̂ = −m̂ / (2√v̂ (√v̂+ε)²), ∂v̂_t/∂g_j = 2(1−β2)β2^(t−j) g_j / (1−β2^s_t)
+                exp_avg = self.states["exp_avg"][:rows] * beta1 + (1 - beta1) * grad
+                m_hat = exp_avg / self._column([[1 - beta1**step for step in row] for row in self.counts], grad)
+                scale_v = [
+                    [lr * spreads(beta2, step, left) for step in row]
+                    for row, lr, left in zip(self.counts, self.lrs, self.steps_left, strict=True)
+                ]
+                safe_root = th.where(root > 0, root, th.ones_like(root))
+                direction -= self._column(scale_v, grad) * m_hat * grad * v / (safe_root * denominator**2)
+            return direction
+        if self.sgd:
+            momentum, dampening = float(group["momentum"]), float(group["dampening"])
+            scale = []
+            for row, lr, left in zip(self.counts, self.lrs, self.steps_left, strict=True):
+                if momentum == 0:
+                    scale.append([lr])
+                    continue
+                # torch: buf = g on the first step, else momentum · buf + (1 − dampening) · g
+                geometric = sum(momentum**t for t in range(left))
+                firsts = [(1 - dampening if exists else 1.0) * geometric for exists in row]
+                scale.append([lr * (1 + momentum * first if group["nesterov"] else first) for first in firsts])
+            return th.mul(v, self._column(scale, grad), out=out)
+        # RMSprop
+        alpha, momentum = float(group["alpha"]), float(group["momentum"])
+        square_avg = self.states["square_avg"][:rows].mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
+        if group["centered"]:
+            grad_avg = self.states["grad_avg"][:rows].mul_(alpha).add_(grad, alpha=1 - alpha)
+            square_avg.addcmul_(grad_avg, grad_avg, value=-1)
+        scale = [
+            [lr * (1.0 if momentum == 0 else sum(momentum**t for t in range(left)))]
+            for lr, left in zip(self.lrs, self.steps_left, strict=True)
+        ]
+        return th.div(v, square_avg.sqrt_().add_(group["eps"]), out=out).mul_(self._column(scale, grad))
 
 
 def update_map(
@@ -185,7 +250,7 @@ def update_map(
     ``M_jᵀ v`` for the optimiser step about to be taken (called after ``backward()`` and clipping, before
     ``optimizer.step()``): how a unit change of this step's gradient moves the parameters, summed over this step
     and the ``steps_left − 1`` later steps of the round its momentum reaches. ``M_j`` is diagonal, so it is its
-    own transpose. Each parameter group is computed at once, on its parameters laid end to end.
+    own transpose.
 
     :param optimizer: The optimizer (its hyperparameters, its state before this step, and ``p.grad`` of this step).
     :param v: Direction per parameter (the target gradient).
@@ -195,16 +260,17 @@ def update_map(
     :return: ``M_jᵀ v`` per parameter of ``v`` that the optimizer updates.
     """
     check_optimizer(optimizer)
-    steps_left = max(1, int(steps_left))
     out: dict[nn.Parameter, th.Tensor] = {}
     with th.no_grad():
         for group in optimizer.param_groups:
             params = [param for param in group["params"] if param in v and param.grad is not None]
             if not params:
                 continue
-            grad, direction = _flat([param.grad for param in params]), _flat([v[param] for param in params])
-            direction = _group_map(optimizer, group, params, grad, direction, steps_left, second_moment)
-            for param, piece in zip(params, direction.split([param.numel() for param in params]), strict=True):
+            steps = _GroupSteps(optimizer, group, params, 1, second_moment)
+            steps.record(0, steps_left)
+            grad = _flat([param.grad for param in params])[None]
+            direction = steps.directions(grad, _flat([v[param] for param in params]), _momentum_spread)[0]
+            for param, piece in zip(params, direction.split(steps.sizes), strict=True):
                 out[param] = piece.view_as(param)
     return out
 
@@ -212,8 +278,7 @@ def update_map(
 class _FlatLayout:
     """
     The parameters an update moves, laid end to end as one vector: those of each optimizer parameter group in
-    turn (so that each group is one slice), then the policy's other trainable parameters. :attr:`direction` is a
-    buffer of that size and :attr:`views` its piece of each parameter, shaped like it.
+    turn (so that each group is one slice), then the policy's other trainable parameters.
 
     :param policy: The policy.
     :param optimizer: Its optimizer.
@@ -233,14 +298,29 @@ class _FlatLayout:
         self.params += [param for param in policy.parameters() if param.requires_grad and param not in in_optimizer]
         self.index = {param: i for i, param in enumerate(self.params)}
         self.optimized = start  # the first elements, those the optimizer updates
-        sizes = [param.numel() for param in self.params]
-        first = self.params[0]
-        self.direction = th.zeros(sum(sizes), dtype=first.dtype, device=first.device)
-        self.views = [piece.view_as(param) for piece, param in zip(self.direction.split(sizes), self.params, strict=True)]
+        self.slices, start = [], 0
+        for param in self.params:
+            self.slices.append(slice(start, start + param.numel()))
+            start += param.numel()
+        self.size = start
 
     def flatten(self, tensors: list[th.Tensor | None]) -> th.Tensor:
         """One tensor per parameter (``None``: zeros), laid end to end."""
         return _flat([th.zeros_like(param) if t is None else t for param, t in zip(self.params, tensors, strict=True)])
+
+    def view(self, flat: th.Tensor, i: int) -> th.Tensor:
+        """Parameter ``i``'s piece of ``flat`` (``(..., size)``), shaped like it (``(..., *shape)``)."""
+        return flat[..., self.slices[i]].reshape(*flat.shape[:-1], *self.params[i].shape)
+
+
+@dataclass
+class _PendingStep:
+    """A step whose direction is computed and whose ghost dot products wait to be computed with other steps'."""
+
+    record_ids: np.ndarray
+    factor: float  # −clip coefficient
+    clipped: bool  # the gradient norm was clipped
+    calls: list[tuple[nn.Module, th.Tensor, th.Tensor]]
 
 
 class OptimizerAwareScorer:
@@ -248,8 +328,11 @@ class OptimizerAwareScorer:
     Step hook accumulating the optimizer-aware in-run influence of every record (see the module docstring).
 
     Each step works on the parameters laid end to end: one vector for the gradients, one computation of the
-    update map per parameter group and one for the clip's projection; then one ghost dot product per scored layer
-    call, the weight and bias terms at once.
+    update map per parameter group and one for the clip's projection, written into a row of a matrix of
+    directions. The ghost dot products of up to ``steps_per_batch`` steps (with minibatches of one size) are then
+    computed together, one batched call per scored layer (the layer scorer's ``dot_steps``), when the rows are
+    full, the minibatch size changes, the kept layer inputs and output gradients reach ``batch_elements`` numbers,
+    or the update ends. Parameters no layer scorer handles are scored at their step, by forward mode.
 
     :param model: The influence algorithm (its policy, engine and ``record_losses``).
     :param target: The target f.
@@ -257,10 +340,19 @@ class OptimizerAwareScorer:
     :param target_gradient: ``"fixed"``: ``v = ∇f(θ(k))`` for every step (cheap: one target gradient per round);
         ``"step"``: ``v = ∇f(θ_j)`` recomputed at every step (one target gradient per step).
     :param second_moment: Adam/AdamW: include the record's effect through the second-moment estimate.
+    :param steps_per_batch: Steps whose ghost dot products are computed together, at most.
+    :param batch_elements: Numbers (layer inputs and output gradients) kept for them, at most (memory).
     """
 
     def __init__(
-        self, model: Any, target: Target, batch_size: int, target_gradient: str = "fixed", second_moment: bool = False
+        self,
+        model: Any,
+        target: Target,
+        batch_size: int,
+        target_gradient: str = "fixed",
+        second_moment: bool = False,
+        steps_per_batch: int = 64,
+        batch_elements: int = 2**23,
     ):
         if target_gradient not in ("fixed", "step"):
             raise ValueError(f"target_gradient must be 'fixed' or 'step', got {target_gradient!r}")
@@ -271,12 +363,19 @@ class OptimizerAwareScorer:
         self.batch_size = batch_size
         self.target_gradient = target_gradient
         self.second_moment = second_moment
+        self.steps_per_batch = max(1, int(steps_per_batch))
+        self.batch_elements = batch_elements
         self._scores = th.zeros(self.engine.buffer.n_records, dtype=th.float64, device=self.engine.device)
         self._name_of = {param: name for name, param in model.policy.named_parameters()}  # they never change
         self._spreads = _Spreads()
         self._layout: _FlatLayout | None = None
         #: Per scored module: its layer scorer and the layout positions of its weight and bias
         self._layers: dict[nn.Module, tuple[Any, int | None, int | None]] = {}
+        self._groups: list[tuple[_GroupSteps, slice]] = []  # the update map of each parameter group
+        self._grads = th.zeros(0)  # one row per pending step: its gradients, laid out flat
+        self._directions = th.zeros(0)  # ... and its direction M_jᵀ v (projected when the step was clipped)
+        self._pending: list[_PendingStep] = []
+        self._held = 0  # numbers kept by the pending steps' calls
         self._v: th.Tensor | None = None
         self._in_v: set[int] = set()
         self._calls: list[list[Any]] = []
@@ -285,6 +384,7 @@ class OptimizerAwareScorer:
     @property
     def scores(self) -> np.ndarray:
         """Accumulated scores, flat by record id (float64)."""
+        self._flush()
         return self._scores.cpu().numpy().copy()
 
     # ------------------------------------------------------------------ capture of the update's own passes
@@ -297,9 +397,12 @@ class OptimizerAwareScorer:
         self._recording = True
         try:
             yield
+            self._flush()
         finally:
             self._recording = False
             self._calls.clear()
+            self._pending.clear()
+            self._held = 0
             for handle in handles:
                 handle.remove()
 
@@ -316,7 +419,7 @@ class OptimizerAwareScorer:
 
     # ------------------------------------------------------------------ one step
     def _prepare(self, optimizer: th.optim.Optimizer) -> _FlatLayout:
-        """The flat layout of the parameters and the layout positions of the scored layers' (once per update)."""
+        """The flat layout of the parameters, the scored layers' positions in it, the direction rows (once)."""
         if self._layout is None:
             self._layout = layout = _FlatLayout(self.model.policy, optimizer)
             for module in self.model.policy.modules():
@@ -325,6 +428,13 @@ class OptimizerAwareScorer:
                     bias = getattr(module, "bias", None)
                     weight, bias = layout.index.get(module.weight), None if bias is None else layout.index.get(bias)
                     self._layers[module] = (scorer, weight, bias)
+            first = layout.params[0]
+            self._groups = [
+                (_GroupSteps(optimizer, group, params, self.steps_per_batch, self.second_moment), where)
+                for group, params, where in layout.groups
+            ]
+            self._grads = th.zeros(self.steps_per_batch, layout.size, dtype=first.dtype, device=first.device)
+            self._directions = th.zeros_like(self._grads)
         return self._layout
 
     def _target_vector(self, layout: _FlatLayout) -> th.Tensor | None:
@@ -351,47 +461,95 @@ class OptimizerAwareScorer:
         v = self._target_vector(layout)
         if v is None:
             return
-        steps_left = max(1, info.total_steps - info.step)
-        grad = layout.flatten([param.grad for param in layout.params])
-        direction = layout.direction
-        if layout.optimized < len(direction):
-            direction[layout.optimized :] = 0  # parameters the optimizer does not move (the projection may add some)
-        for group, params, where in layout.groups:
-            part = _group_map(
-                info.optimizer, group, params, grad[where], v[where], steps_left, self.second_moment, self._spreads
-            )
-            direction[where] = part
+        pending = self._pending
+        if pending and (
+            len(pending) == self.steps_per_batch
+            or len(info.record_ids) != len(pending[0].record_ids)
+            or self._held >= self.batch_elements
+        ):
+            self._flush()
+            pending = self._pending
+        row = len(pending)
+        grads = [param.grad for param in layout.params]
+        _flat([th.zeros_like(p) if g is None else g for p, g in zip(layout.params, grads, strict=True)], out=self._grads[row])
+        for steps, _ in self._groups:
+            steps.record(row, info.total_steps - info.step)
         clipped = info.clip_coef < 1.0
-        if clipped:
-            # The clipped step has a fixed norm: only the part of a record's gradient orthogonal to ĝ moves it
-            direction.addcmul_(grad, th.dot(grad, direction) / th.dot(grad, grad), value=-1)
-        # Without the clip's projection only the parameters f depends on have a direction
+        # Without the clip's projection only the parameters f depends on have a direction (zero elsewhere)
         moved = None if clipped else self._in_v
-        views = layout.views
-        dots = []
-        covered: set[int] = set()
+        calls = []
+        covered: set[int | None] = set()
         for module, inputs, grad_out in self._calls:
             if grad_out is None:
                 continue
-            scorer, weight, bias = self._layers[module]
+            _, weight, bias = self._layers[module]
             covered.update((weight, bias))
-            if moved is not None:
-                weight, bias = (weight if weight in moved else None), (bias if bias in moved else None)
-            if weight is None and bias is None:
-                continue
-            d_weight, d_bias = (None if weight is None else views[weight]), (None if bias is None else views[bias])
-            dots.append(scorer.dot(module, inputs, grad_out, d_weight, d_bias))
-        rest = {
-            self._name_of[param]: views[i]
+            if moved is None or weight in moved or bias in moved:
+                calls.append((module, inputs, grad_out))
+                self._held += inputs.numel() + grad_out.numel()
+        pending.append(_PendingStep(info.record_ids, -info.clip_coef, clipped, calls))
+        rest = [
+            i
             for i, param in enumerate(layout.params)
             if i not in covered and (moved is None or i in moved) and param in self._name_of
-        }
+        ]
+        if rest or self.target_gradient == "step":
+            # Forward mode needs the parameters of this step, and v changes at every step: score the step now
+            self._flush()
         if rest:
-            dots.append(self._forward_mode(rest, info))
-        if dots:
-            contribution = th.stack(dots).sum(dim=0, dtype=th.float64)
+            direction = {self._name_of[layout.params[i]]: layout.view(self._directions[row], i) for i in rest}
             ids = th.as_tensor(info.record_ids, device=self._scores.device)
-            self._scores.index_add_(0, ids, contribution, alpha=-info.clip_coef)
+            self._scores.index_add_(0, ids, self._forward_mode(direction, info).double(), alpha=-info.clip_coef)
+
+    def _flush(self) -> None:
+        """Score the pending steps: their directions at once, then one batched ghost dot product per layer."""
+        pending, self._pending, self._held = self._pending, [], 0
+        if not pending or self._layout is None or self._v is None:
+            return
+        with th.no_grad():
+            self._score_pending(pending, self._layout, self._v)
+
+    def _score_pending(self, pending: list[_PendingStep], layout: _FlatLayout, v: th.Tensor) -> None:
+        grads, directions = self._grads[: len(pending)], self._directions[: len(pending)]
+        if layout.optimized < layout.size:
+            directions[:, layout.optimized :] = 0  # parameters the optimizer does not move
+        for steps, where in self._groups:
+            steps.directions(grads[:, where], v[where], self._spreads, out=directions[:, where])
+        if any(item.clipped for item in pending):
+            # A clipped step has a fixed norm: only the part of a record's gradient orthogonal to ĝ moves it
+            clipped = th.tensor([item.clipped for item in pending], device=grads.device)
+            along = th.linalg.vecdot(grads, directions) / th.linalg.vecdot(grads, grads)
+            directions.addcmul_(grads, th.where(clipped, along, th.zeros_like(along))[:, None], value=-1)
+        # The calls of each layer (and input and output shape), with the steps they belong to
+        batches: dict[tuple[Any, ...], tuple[list[int], list[th.Tensor], list[th.Tensor]]] = {}
+        for step, item in enumerate(pending):
+            for module, inputs, grad_out in item.calls:
+                steps_of, inputs_, grad_outs = batches.setdefault((module, inputs.shape, grad_out.shape), ([], [], []))
+                steps_of.append(step)
+                inputs_.append(inputs)
+                grad_outs.append(grad_out)
+        contribution = th.zeros(len(pending), len(pending[0].record_ids), dtype=th.float64, device=self._scores.device)
+        for (module, _, _), (steps_of, inputs_, grad_outs) in batches.items():
+            scorer, weight, bias = self._layers[module]
+            rows = directions if steps_of == list(range(len(pending))) else directions[steps_of]
+            d_weight = None if weight is None else layout.view(rows, weight)
+            d_bias = None if bias is None else layout.view(rows, bias)
+            dot_steps = getattr(scorer, "dot_steps", None)
+            if dot_steps is not None:
+                dots = dot_steps(module, th.stack(inputs_), th.stack(grad_outs), d_weight, d_bias)
+            else:
+                dots = th.stack(
+                    [
+                        scorer.dot(
+                            module, x, g, None if d_weight is None else d_weight[e], None if d_bias is None else d_bias[e]
+                        )
+                        for e, (x, g) in enumerate(zip(inputs_, grad_outs, strict=True))
+                    ]
+                )
+            contribution.index_add_(0, th.as_tensor(steps_of, device=contribution.device), dots.double())
+        factors = th.tensor([item.factor for item in pending], dtype=th.float64, device=contribution.device)
+        ids = th.as_tensor(np.concatenate([item.record_ids for item in pending]), device=self._scores.device)
+        self._scores.index_add_(0, ids, (contribution * factors[:, None]).reshape(-1))
 
     def _forward_mode(self, direction: dict[str, th.Tensor], info: StepInfo) -> th.Tensor:
         """``⟨∇ℓ_i / |B|, d⟩`` for the parameters no layer scorer handled, by one jvp of the per-record loss."""
