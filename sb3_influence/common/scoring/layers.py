@@ -105,36 +105,6 @@ class ConvScorer:
         direction = module._conv_forward(inputs, v_weight, v_bias)  # type: ignore[operator]
         return th.linalg.vecdot(direction.reshape(n, -1), grad_out.reshape(n, -1))
 
-    def dot_steps(
-        self, module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
-    ) -> th.Tensor:
-        """
-        :meth:`dot` for ``E`` calls at once (``inputs (E, n, C, ...)``, ``v_weight (E, out, C / groups, ...)``...) →
-        ``(E, n)``: one grouped convolution whose groups are the calls' (zero padding; else one call at a time).
-        """
-        calls, n = inputs.shape[:2]
-        if v_weight is None or module.padding_mode != "zeros":  # type: ignore[operator]
-            return th.stack(
-                [
-                    self.dot(
-                        module,
-                        inputs[e],
-                        grad_out[e],
-                        None if v_weight is None else v_weight[e],
-                        None if v_bias is None else v_bias[e],
-                    )
-                    for e in range(calls)
-                ]
-            )
-        convolution = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[inputs.dim() - 1]
-        # Records stay the batch; the calls' channels are laid side by side, one block of groups per call
-        x = inputs.transpose(0, 1).reshape(n, -1, *inputs.shape[3:])
-        weight = v_weight.reshape(-1, *v_weight.shape[2:])
-        bias = None if v_bias is None else v_bias.reshape(-1)
-        groups = module.groups * calls  # type: ignore[operator]
-        direction = convolution(x, weight, bias, module.stride, module.padding, module.dilation, groups)  # type: ignore[arg-type]
-        return th.linalg.vecdot(direction.reshape(n, calls, -1).transpose(0, 1), grad_out.reshape(calls, n, -1))
-
 
 #: The scorers used unless a model is given others.
 DEFAULT_LAYER_SCORERS: tuple[LayerScorer, ...] = (LinearScorer(), ConvScorer())

@@ -313,6 +313,20 @@ class _FlatLayout:
         return flat[..., self.slices[i]].reshape(*flat.shape[:-1], *self.params[i].shape)
 
 
+class _Call:
+    """One call of a scored layer during the update: its input, its output (and version), its output gradient."""
+
+    __slots__ = ("grad", "inputs", "module", "output", "version")
+
+    def __init__(self, module: nn.Module, inputs: th.Tensor, output: th.Tensor):
+        self.module, self.inputs, self.output, self.version = module, inputs, output, output._version
+        self.grad: th.Tensor | None = None
+
+    def keep_grad(self, grad: th.Tensor) -> None:
+        """Tensor hook on the output."""
+        self.grad = grad
+
+
 @dataclass
 class _PendingStep:
     """A step whose direction is computed and whose ghost dot products wait to be computed with other steps'."""
@@ -378,7 +392,11 @@ class OptimizerAwareScorer:
         self._held = 0  # numbers kept by the pending steps' calls
         self._v: th.Tensor | None = None
         self._in_v: set[int] = set()
-        self._calls: list[list[Any]] = []
+        self._calls: list[_Call] = []
+        # Layers whose output nothing modified in place at the first step, and the others
+        self._seen: set[nn.Module] = set()
+        self._modified: set[nn.Module] = set()
+        self._retained: set[nn.Module] = set()  # layers whose output gradient is kept by retain_grad
         self._recording = False
 
     @property
@@ -409,13 +427,39 @@ class OptimizerAwareScorer:
     def _on_forward(self, module: nn.Module, inputs: tuple[th.Tensor, ...], output: th.Tensor) -> None:
         if not self._recording or not isinstance(output, th.Tensor) or not output.requires_grad:
             return
-        call = [module, inputs[0], None]
+        call = _Call(module, inputs[0], output)
         self._calls.append(call)
+        if module in self._retained:
+            output.retain_grad()  # (kept by autograd itself: no Python call in the backward pass)
+        else:
+            output.register_hook(call.keep_grad)
 
-        def keep_grad(grad: th.Tensor, call: list[Any] = call) -> None:
-            call[2] = grad
-
-        output.register_hook(keep_grad)
+    def _output_gradients(self) -> list[tuple[nn.Module, th.Tensor, th.Tensor]]:
+        """
+        The step's layer calls with their output gradients. A layer's output gradient is kept by a tensor hook,
+        which sees the output as the layer returned it; at the first step the layers whose output nothing modified
+        in place are noted, and from then on their output keeps its ``.grad`` (``retain_grad``, cheaper), which is
+        the same gradient as long as nothing modifies the output in place (checked at every step).
+        """
+        calls = []
+        first = not self._seen
+        for call in self._calls:
+            modified = call.output._version != call.version
+            if call.grad is None and call.module in self._retained:
+                if modified:
+                    raise RuntimeError(
+                        f"optimizer_aware in-run scoring: the output of {call.module} was modified in place at this "
+                        "optimiser step but not at the update's first, so its kept gradient is not the layer's. Use "
+                        "out-of-place operations after scored layers (e.g. nn.ReLU(inplace=False))"
+                    )
+                call.grad = call.output.grad
+            elif first:
+                (self._modified if modified else self._seen).add(call.module)
+            if call.grad is not None:
+                calls.append((call.module, call.inputs, call.grad))
+        if first:
+            self._retained = self._seen - self._modified
+        return calls
 
     # ------------------------------------------------------------------ one step
     def _prepare(self, optimizer: th.optim.Optimizer) -> _FlatLayout:
@@ -479,9 +523,7 @@ class OptimizerAwareScorer:
         moved = None if clipped else self._in_v
         calls = []
         covered: set[int | None] = set()
-        for module, inputs, grad_out in self._calls:
-            if grad_out is None:
-                continue
+        for module, inputs, grad_out in self._output_gradients():
             _, weight, bias = self._layers[module]
             covered.update((weight, bias))
             if moved is None or weight in moved or bias in moved:
