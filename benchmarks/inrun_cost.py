@@ -30,13 +30,14 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.logger import Logger
 
+# benchmarks/ is not a package: reuse overhead.py's rollout helper
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import _collect  # noqa: E402  (benchmarks/ is not a package)
+from overhead import _collect
 
-from sb3_influence import ReturnTarget, bench  # noqa: E402
-from sb3_influence.common import sb3_compat  # noqa: E402
-from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer  # noqa: E402
-from sb3_influence.common.state import training_state  # noqa: E402
+from sb3_influence import ReturnTarget, bench
+from sb3_influence.common import sb3_compat
+from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
+from sb3_influence.common.state import training_state
 
 CASES: dict[str, dict[str, Any]] = {
     "CartPole MLP, clip 0.5": dict(env="CartPole", max_grad_norm=0.5),

@@ -13,8 +13,9 @@ type of your own, pass an object implementing the protocol; nothing in the packa
 
 A scorer may also define ``dot_steps(module, inputs, grad_out, v_weight, v_bias)``: the same dot products for ``E``
 calls of the layer at once, each with its own direction (every argument gains a leading dimension ``E``; the
-result is ``(E, n)``). The in-run optimizer-aware scorer uses it to score many optimiser steps in a few batched
-calls instead of a few small calls per step; without it, it calls ``dot`` once per call.
+result is ``(E, n)``). The in-run optimizer-aware scorer uses it to score many optimiser steps in one batched
+call instead of a few small calls per step; without it, it calls ``dot`` once per call. :class:`LinearScorer` has
+it; :class:`ConvScorer` does not (on CPUs neither a grouped convolution nor ``unfold`` beat one call at a time).
 """
 
 from typing import Protocol, runtime_checkable

@@ -19,10 +19,12 @@ paper's score, positive means the record moved f up. With SGD, one full-batch st
 paper's single-checkpoint score times ``η / n``.
 
 Computed *in run*: the update calls :class:`OptimizerAwareScorer` at every step (see
-:class:`~sb3_influence.common.round.CapturingStepHook`); its forward hooks keep each layer's input and its tensor
-hooks the per-record output gradient of the step's own backward pass, so the dot products are ghost dot products
-of quantities the update computed anyway (the paper's Sec. 3 ghost trick, on the actual loss). Parameters no layer
-scorer handles (``log_std``...) are scored by one forward-mode pass of the per-record loss.
+:class:`~sb3_influence.common.round.CapturingStepHook`); its forward hooks keep each layer's input and the
+per-record output gradient of the step's own backward pass, so the dot products are ghost dot products of
+quantities the update computed anyway (the paper's Sec. 3 ghost trick, on the actual loss). Parameters no layer
+scorer handles (``log_std``...) are scored by one forward-mode pass of the per-record loss. To cost little next to
+the update, a step only keeps these quantities; the update map, the projection and the dot products of many steps
+are computed together (see :class:`OptimizerAwareScorer`); ``benchmarks/inrun_cost.py`` measures the cost.
 
 Not modelled: the dependence of Adam's denominator on the record (``∂v̂/∂g``), curvature between steps (each step's
 change is carried to the end of the round unchanged), the coupling of records through per-minibatch advantage
@@ -161,9 +163,10 @@ class _GroupSteps:
         if self._states_of is not self.optimizer.state:
             # Each parameter's state is one dict the optimizer updates in place: look them up again only when
             # the optimizer's state was replaced (load_state_dict) or some parameter had none yet
-            states = [self.optimizer.state.get(param) for param in self.params]
-            if any(state is None for state in states):
-                return [{} if state is None else state for state in states]
+            found = [self.optimizer.state.get(param) for param in self.params]
+            states: list[dict[str, Any]] = [{} if state is None else state for state in found]
+            if any(state is None for state in found):
+                return states
             self._states_of, self._states_cache = self.optimizer.state, states
         return self._states_cache
 
@@ -341,12 +344,14 @@ class OptimizerAwareScorer:
     """
     Step hook accumulating the optimizer-aware in-run influence of every record (see the module docstring).
 
-    Each step works on the parameters laid end to end: one vector for the gradients, one computation of the
-    update map per parameter group and one for the clip's projection, written into a row of a matrix of
-    directions. The ghost dot products of up to ``steps_per_batch`` steps (with minibatches of one size) are then
-    computed together, one batched call per scored layer (the layer scorer's ``dot_steps``), when the rows are
-    full, the minibatch size changes, the kept layer inputs and output gradients reach ``batch_elements`` numbers,
-    or the update ends. Parameters no layer scorer handles are scored at their step, by forward mode.
+    At each step it only keeps what the step's scores need, in one row per step: the gradients laid end to end,
+    the optimizer's state before the step (also laid end to end), the layers' inputs and output gradients. The
+    scores of up to ``steps_per_batch`` steps (with minibatches of one size) are then computed together, when the
+    rows are full, the minibatch size changes, the kept layer inputs and output gradients reach
+    ``batch_elements`` numbers, or the update ends: the update map and the clip's projection of every row with a
+    few in-place operations on ``(steps, parameters)`` matrices, and the ghost dot products with one batched call
+    per scored layer (the layer scorer's ``dot_steps`` where it has one, else one ``dot`` per call). Parameters no
+    layer scorer handles are scored at their step (forward mode needs that step's parameters).
 
     :param model: The influence algorithm (its policy, engine and ``record_losses``).
     :param target: The target f.
