@@ -5,7 +5,7 @@ import copy
 import numpy as np
 import pytest
 import torch as th
-from conftest import collect_rollout, make_env
+from conftest import OddExtractor, TinyCNN, collect_rollout, make_env
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 
 from sb3_influence import AttributionCallback, IIFCallback, InfluencePPO
@@ -33,7 +33,22 @@ OPTIMIZERS = {
 }
 
 
-def float64_model(optimizer: str, action: str = "discrete", algo=InfluencePPO, env=None, **kwargs) -> InfluencePPO:
+class InPlaceReLU(BaseFeaturesExtractor):
+    """A Linear layer (float64) whose output a ReLU overwrites in place (from the start, or once ``inplace`` is set)."""
+
+    def __init__(self, observation_space, inplace=True):
+        super().__init__(observation_space, 6)
+        self.linear = th.nn.Linear(int(np.prod(observation_space.shape)), 6)
+        self.inplace = inplace
+
+    def forward(self, observations):
+        out = self.linear(observations.flatten(1).double())
+        return th.relu_(out) if self.inplace else th.relu(out)
+
+
+def float64_model(
+    optimizer: str, action: str = "discrete", algo=InfluencePPO, env=None, extractor=Float64Flatten, **kwargs
+) -> InfluencePPO:
     """``algo`` in float64 on ``env`` (default: a box-observation env with ``action`` actions), one round trained."""
     optimizer_class, optimizer_kwargs = OPTIMIZERS[optimizer]
     params = dict(n_steps=48, batch_size=16, n_epochs=3, seed=0, ent_coef=0.01, learning_rate=optimizer_kwargs["lr"])
@@ -41,7 +56,7 @@ def float64_model(optimizer: str, action: str = "discrete", algo=InfluencePPO, e
     model = algo(
         "MlpPolicy",
         make_env("box", action) if env is None else env,
-        policy_kwargs=dict(net_arch=[8], features_extractor_class=Float64Flatten),
+        policy_kwargs=dict(net_arch=[8], features_extractor_class=extractor),
         **params,
     )
     model.policy.to(th.float64)
@@ -250,3 +265,94 @@ def test_second_moment_term_matches_brute_force(optimizer):
         model.rollout_buffer.to_records(scorer.scores), expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max()
     )
     assert not np.allclose(expected, brute_force(model), rtol=1e-6)  # the term is not negligible in this round
+
+
+@pytest.mark.parametrize("steps_per_batch", [1, 4])
+def test_steps_scored_in_batches_of_any_size(steps_per_batch):
+    """The ghost dot products of several steps are computed together: how many at once changes nothing."""
+    from sb3_influence import ReturnTarget
+    from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
+
+    # batch_size 20 of 48 records: two minibatches of 20 and one of 8 per epoch (a batch ends when the size changes)
+    model = float64_model("adam", action="box", batch_size=20, max_grad_norm=0.05)
+    scorer = OptimizerAwareScorer(model, ReturnTarget(), 4096, steps_per_batch=steps_per_batch)
+    model.replay_update([scorer])
+    expected = brute_force(model)
+    np.testing.assert_allclose(
+        model.rollout_buffer.to_records(scorer.scores), expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max()
+    )
+
+
+@pytest.mark.parametrize(
+    "module, input_shape",
+    [
+        (th.nn.Linear(5, 3), (4, 5)),
+        (th.nn.Linear(5, 3, bias=False), (4, 2, 5)),
+    ],
+)
+def test_layer_dot_products_of_several_calls_at_once(module, input_shape):
+    """``LinearScorer.dot_steps`` (several calls, each with its own direction) is ``dot`` call by call."""
+    from sb3_influence.common.scoring.layers import DEFAULT_LAYER_SCORERS
+
+    scorer = next(s for s in DEFAULT_LAYER_SCORERS if s.handles(module))
+    module = module.double()
+    generator = th.Generator().manual_seed(0)
+    calls = 3
+    inputs = th.randn(calls, *input_shape, generator=generator, dtype=th.float64)
+    grad_out = th.randn(calls, *module(inputs[0]).shape, generator=generator, dtype=th.float64)
+    v_weight = th.randn(calls, *module.weight.shape, generator=generator, dtype=th.float64)
+    v_bias = None if module.bias is None else th.randn(calls, *module.bias.shape, generator=generator, dtype=th.float64)
+    for weight, bias in ((v_weight, v_bias), (None, v_bias), (v_weight, None)):
+        if weight is None and bias is None:
+            continue
+        together = scorer.dot_steps(module, inputs, grad_out, weight, bias)
+        one_by_one = [
+            scorer.dot(
+                module, inputs[e], grad_out[e], None if weight is None else weight[e], None if bias is None else bias[e]
+            )
+            for e in range(calls)
+        ]
+        th.testing.assert_close(together, th.stack(one_by_one), rtol=1e-12, atol=1e-12)
+
+
+def test_layer_outputs_modified_in_place():
+    """A layer whose output is overwritten in place keeps its output gradient by a tensor hook (the layer's own)."""
+    model = float64_model("adam", extractor=InPlaceReLU, max_grad_norm=0.05)
+    scores = model.compute_influence(optimizer_aware=True)
+    expected = brute_force(model)
+    np.testing.assert_allclose(scores, expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max())
+
+
+def test_layer_output_modified_in_place_only_later_is_a_clear_error():
+    from sb3_influence import ReturnTarget
+    from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
+
+    model = float64_model("adam", extractor=InPlaceReLU)
+    extractor = model.policy.features_extractor
+    extractor.inplace = False
+    scorer = OptimizerAwareScorer(model, ReturnTarget(), 4096)
+
+    def start_overwriting(info):
+        extractor.inplace = True
+
+    with pytest.raises(RuntimeError, match="modified in place"):
+        model.replay_update([scorer, start_overwriting])
+
+
+class Float64TinyCNN(TinyCNN):
+    def forward(self, observations):
+        return super().forward(observations.double())
+
+
+class Float64OddExtractor(OddExtractor):
+    def forward(self, observations):
+        return super().forward(observations.double())
+
+
+@pytest.mark.parametrize("obs, extractor", [("image", Float64TinyCNN), ("sequence", Float64OddExtractor)])
+def test_convolutions_shared_layers_and_forward_mode_parameters(obs, extractor):
+    """Convolutions (one call at a time), a Linear called twice per step, LayerNorm (forward mode), clipped steps."""
+    model = float64_model("adam", env=make_env(obs), extractor=extractor, max_grad_norm=0.05)
+    scores = model.compute_influence(optimizer_aware=True)
+    expected = brute_force(model)
+    np.testing.assert_allclose(scores, expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max())

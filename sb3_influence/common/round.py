@@ -23,6 +23,7 @@ a ``learn()`` that raised never acts on a later one.
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -46,8 +47,6 @@ class StepInfo:
     :param samples: The minibatch as SB3's samples tuple (observations, actions, old values, ...).
     :param advantages: ``Â`` as the loss used them (normalised in the minibatch when ``normalize_advantage``).
     :param ratio: ``π_θj(a|s) / π_old(a|s)`` per record (detached).
-    :param clipped: Per record, True where the clipped branch of the surrogate is active, so the record's policy
-        gradient is zero at this step.
     :param clip_coef: The gradient-norm clipping factor ``min(1, max_grad_norm / ‖g‖)`` applied to this step.
     :param optimizer: The optimizer about to step.
     :param total_steps: The optimiser steps the round's update plans (``n_epochs`` × minibatches; fewer happen
@@ -61,11 +60,20 @@ class StepInfo:
     samples: Any
     advantages: th.Tensor
     ratio: th.Tensor
-    clipped: th.Tensor
     clip_coef: float
     optimizer: th.optim.Optimizer
     total_steps: int
     clip_range: float
+
+    @cached_property
+    def clipped(self) -> th.Tensor:
+        """
+        Per record, True where the clipped branch of the surrogate is active, so the record's policy gradient is
+        zero at this step (computed when first read).
+        """
+        # min(A·r, A·clip(r)) takes the clipped branch, whose gradient is zero, above 1+ε for A > 0, below 1−ε for A < 0
+        advantages, ratio, clip_range = self.advantages, self.ratio, self.clip_range
+        return ((advantages > 0) & (ratio > 1 + clip_range)) | ((advantages < 0) & (ratio < 1 - clip_range))
 
     @classmethod
     def from_loss(
@@ -92,8 +100,6 @@ class StepInfo:
         """
         advantages = advantages.detach()
         ratio = ratio.detach()
-        # min(A·r, A·clip(r)) takes the clipped branch, whose gradient is zero, above 1+ε for A > 0, below 1−ε for A < 0
-        clipped = ((advantages > 0) & (ratio > 1 + clip_range)) | ((advantages < 0) & (ratio < 1 - clip_range))
         # torch.nn.utils.clip_grad_norm_ scales by max_norm / (norm + 1e-6), capped at 1
         clip_coef = min(1.0, max_grad_norm / (float(total_norm) + 1e-6))
         return cls(
@@ -103,7 +109,6 @@ class StepInfo:
             samples,
             advantages,
             ratio,
-            clipped,
             clip_coef,
             optimizer,
             total_steps,

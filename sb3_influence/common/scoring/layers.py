@@ -10,6 +10,12 @@ A :class:`LayerScorer` says which modules it handles and computes that dot produ
 engine takes an ordered list of them (``InfluencePPO(influence_layer_scorers=...)``); parameters in no handled
 layer (``log_std``, layer norms, embeddings...) go through the exact forward-mode path instead. To score a layer
 type of your own, pass an object implementing the protocol; nothing in the package needs editing.
+
+A scorer may also define ``dot_steps(module, inputs, grad_out, v_weight, v_bias)``: the same dot products for ``E``
+calls of the layer at once, each with its own direction (every argument gains a leading dimension ``E``; the
+result is ``(E, n)``). The in-run optimizer-aware scorer uses it to score many optimiser steps in one batched
+call instead of a few small calls per step; without it, it calls ``dot`` once per call. :class:`LinearScorer` has
+it; :class:`ConvScorer` does not (on CPUs neither a grouped convolution nor ``unfold`` beat one call at a time).
 """
 
 from typing import Protocol, runtime_checkable
@@ -53,12 +59,29 @@ class LinearScorer:
         self, module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
     ) -> th.Tensor:
         n = inputs.shape[0]
-        out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
-        if v_weight is not None:
-            out = out + (F.linear(inputs, v_weight) * grad_out).reshape(n, -1).sum(dim=1)
-        if v_bias is not None:
-            out = out + grad_out.reshape(n, -1, grad_out.shape[-1]).sum(dim=1) @ v_bias
-        return out
+        if v_weight is None:
+            if v_bias is None:
+                return th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
+            return grad_out.reshape(n, -1, grad_out.shape[-1]).sum(dim=1) @ v_bias
+        # The layer applied to x_i with (P, p_b): ⟨g_i, x_i Pᵀ + p_b⟩ is both terms at once
+        return th.linalg.vecdot(F.linear(inputs, v_weight, v_bias).reshape(n, -1), grad_out.reshape(n, -1))
+
+    def dot_steps(
+        self, module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
+    ) -> th.Tensor:
+        """:meth:`dot` for ``E`` calls at once: ``inputs (E, n, ..., in)``, ``v_weight (E, out, in)``... → ``(E, n)``."""
+        calls, n = inputs.shape[:2]
+        x = inputs.reshape(calls, -1, inputs.shape[-1])
+        g = grad_out.reshape(calls, -1, grad_out.shape[-1])
+        if v_weight is None:
+            if v_bias is None:
+                return th.zeros(calls, n, dtype=grad_out.dtype, device=grad_out.device)
+            per_position = th.linalg.vecdot(g, v_bias.unsqueeze(1))
+        elif v_bias is None:
+            per_position = th.linalg.vecdot(th.bmm(x, v_weight.transpose(1, 2)), g)
+        else:
+            per_position = th.linalg.vecdot(th.baddbmm(v_bias.unsqueeze(1), x, v_weight.transpose(1, 2)), g)
+        return per_position if inputs.dim() == 3 else per_position.reshape(calls, n, -1).sum(dim=2)
 
 
 class ConvScorer:
@@ -75,13 +98,13 @@ class ConvScorer:
         self, module: nn.Module, inputs: th.Tensor, grad_out: th.Tensor, v_weight: th.Tensor | None, v_bias: th.Tensor | None
     ) -> th.Tensor:
         n = inputs.shape[0]
-        out = th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
-        if v_weight is not None:
-            direction = module._conv_forward(inputs, v_weight, None)  # type: ignore[operator]
-            out = out + (direction * grad_out).reshape(n, -1).sum(dim=1)
-        if v_bias is not None:
-            out = out + grad_out.reshape(n, grad_out.shape[1], -1).sum(dim=2) @ v_bias
-        return out
+        if v_weight is None:
+            if v_bias is None:
+                return th.zeros(n, dtype=grad_out.dtype, device=grad_out.device)
+            return grad_out.reshape(n, grad_out.shape[1], -1).sum(dim=2) @ v_bias
+        # The layer applied to x_i with (P, p_b): the bias term ⟨Σ_positions g_i, p_b⟩ comes with it
+        direction = module._conv_forward(inputs, v_weight, v_bias)  # type: ignore[operator]
+        return th.linalg.vecdot(direction.reshape(n, -1), grad_out.reshape(n, -1))
 
 
 #: The scorers used unless a model is given others.
