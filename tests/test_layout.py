@@ -19,7 +19,7 @@ LAYERS = [
         "common.progress",
         "common.files",
     ],
-    ["common.buffers", "common.state", "common.scoring.layers"],
+    ["common.buffers", "common.state", "common.scoring.layers", "common.scoring.update_maps"],
     ["common.round", "common.scoring.engine"],
     [
         "common.scoring.multi",

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from sb3_influence.influence_ppo import InfluencePPO
 
+
 def top_bottom_records(snapshot: Any, target: str | None = None, k: int = 10) -> "pd.DataFrame":
     """
     The ``k`` most helpful and ``k`` most harmful records of one round, with their advantage estimates.

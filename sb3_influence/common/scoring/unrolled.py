@@ -27,7 +27,7 @@ import torch as th
 from torch import nn
 
 from sb3_influence.common import sb3_compat
-from sb3_influence.common.scoring.optimizer_aware import check_optimizer
+from sb3_influence.common.scoring.update_maps import check_optimizer
 from sb3_influence.common.state import training_state
 from sb3_influence.common.targets import Target
 
