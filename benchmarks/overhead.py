@@ -5,7 +5,8 @@ Per round: collect one rollout; time ``compute_influence()`` (``"return"`` targe
 records to drop with the paper's ``neg-bottom`` rule; time PPO's ``train()`` on every record and on the kept
 records only, in ABBA order (full, filtered, filtered, full), each from the same saved parameters, optimizer
 state and RNG state, so that drifts of a shared machine's load cancel; then take the unfiltered update and go on
-to the next round. Reported: medians over rounds of ``t_influence / t_train``, of the PPO round
+to the next round. Reported: medians over rounds of ``t_influence / t_train``, of ``t_floor / t_train`` (one forward
+and one backward pass of ``Σ log π`` over the buffer: what any exact gradient score needs at least), of the PPO round
 (``rollout + train``) and of the IIF round (``rollout + influence + filtered train``), the ratio of optimizer
 steps, and the peak resident memory added by ``compute_influence`` (RSS sampled every 0.5 ms by a thread,
 in a child process with
@@ -110,6 +111,23 @@ def _timed_train(model: Any) -> float:
     return time.perf_counter() - tic
 
 
+def _timed_floor(model: Any) -> float:
+    """
+    One forward and one backward pass of ``Σ log π(a|s)`` over the whole buffer, to the policy's parameters: the
+    least an exact gradient-based score of every record needs (the scorer needs this and more).
+    """
+    buffer = model.rollout_buffer
+    obs, _ = model.policy.obs_to_tensor(buffer.flat_field("observations"))
+    actions = th.as_tensor(buffer.flat_field("actions"), device=model.device)
+    if model.action_space.shape == ():
+        actions = actions.long().flatten()
+    params = [param for param in model.policy.parameters() if param.requires_grad]
+    tic = time.perf_counter()
+    log_prob = model.policy.get_distribution(obs).log_prob(actions)
+    th.autograd.grad(log_prob.sum(), params, allow_unused=True)
+    return time.perf_counter() - tic
+
+
 def measure_case(
     env: str, n_envs: int, n_steps: int, net_arch: list[int] | None, repeats: int, fraction: float
 ) -> dict[str, Any]:
@@ -136,6 +154,7 @@ def measure_case(
                 scores = model.compute_influence("return")
                 times.append(time.perf_counter() - tic)
             peaks.append(memory.added)
+        floor = statistics.median(_timed_floor(model) for _ in range(3))
         buffer = model.rollout_buffer
         iif_keep = ~buffer.to_records(drop_neg_bottom(buffer.to_flat(scores), fraction, np.random.default_rng(0)))
         # ABBA order (full, filtered, filtered, full) from the same parameters, so that load drifts cancel
@@ -148,7 +167,7 @@ def measure_case(
         buffer.keep[:] = True
         model.train()
         n_kept = int(iif_keep.sum())
-        rows.append(dict(rollout=t_rollout, train=float(np.mean(train)), influence=statistics.median(times),
+        rows.append(dict(rollout=t_rollout, train=float(np.mean(train)), influence=statistics.median(times), floor=floor,
                          train_iif=float(np.mean(train_iif)), kept=n_kept / buffer.n_records,
                          steps=model.n_epochs * -(-buffer.n_records // model.batch_size),
                          steps_iif=model.n_epochs * -(-n_kept // model.batch_size),
@@ -161,6 +180,8 @@ def measure_case(
         "influence_s": statistics.median(r["influence"] for r in rows),
         "train_s": statistics.median(r["train"] for r in rows),
         "influence_over_train": statistics.median(ratio),
+        "floor_s": statistics.median(r["floor"] for r in rows),
+        "floor_over_train": statistics.median(r["floor"] / r["train"] for r in rows),
         "ppo_round_s": statistics.median(ppo_round),
         "iif_round_s": statistics.median(iif_round),
         "iif_over_ppo_round": statistics.median(i / p for i, p in zip(iif_round, ppo_round, strict=True)),
@@ -216,14 +237,15 @@ def measure_memory(cases: list[str], sizes: list[int]) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     """The tables of ``docs/benchmarks.md``."""
     lines = [
-        "| case | n | influence (s) | PPO train() (s) | influence / train | PPO round (s) | IIF round (s) | IIF / PPO round "
-        "| kept | optimizer steps IIF / PPO | peak extra RSS (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | n | influence (s) | PPO train() (s) | influence / train | one forward + backward / train | PPO round (s) "
+        "| IIF round (s) | IIF / PPO round | kept | optimizer steps IIF / PPO | peak extra RSS (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, case in result["cases"].items():
         lines.append(
             f"| {name} | {case['n']} | {case['influence_s']:.3f} | {case['train_s']:.2f} | "
-            f"{100 * case['influence_over_train']:.1f} % | {case['ppo_round_s']:.2f} | {case['iif_round_s']:.2f} | "
+            f"{100 * case['influence_over_train']:.1f} % | {100 * case['floor_over_train']:.1f} % | "
+            f"{case['ppo_round_s']:.2f} | {case['iif_round_s']:.2f} | "
             f"{case['iif_over_ppo_round']:.3f} | {case['kept_fraction']:.3f} | {case['optimizer_steps_iif_over_ppo']:.3f} | "
             f"{case['influence_peak_mib']:.1f} |"
         )
