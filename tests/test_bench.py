@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch as th
 
+import sb3_influence
 from sb3_influence import bench
 
 
@@ -203,7 +204,7 @@ def test_filtering_arms_drop_records_from_identical_initial_weights(tmp_path):
     # Whole trajectories, at least half the records of the negative ones
     assert 0.0 < kept["iif-trajectory"] < 1.0 and 0.0 < kept["dtv-loo"] < 1.0
     assert results["dtv-loo"]["config"]["filter_class"] == "DTVLooCallback"
-    assert results["iif-trajectory"]["config"]["iif_kwargs"] == {"unit": "trajectory"}
+    assert results["iif-trajectory"]["config"]["iif_kwargs"] == {"unit": "trajectory", "budget": "records"}
     assert "filter_class" not in results["iif"]["config"] and "iif_kwargs" not in results["iif"]["config"]
     # The trajectory arms run on MiniGrid's SGD cell only among the paper's cells
     assert bench.arms_for("sgd", env="MiniGrid") == ("ppo", "iif", "random", "iif-trajectory", "dtv-loo")
@@ -470,6 +471,7 @@ def test_iif_aware_arm_runs_only_in_the_adam_settings(capsys):
     for arm in bench.ARMS.values():
         assert set(arm.versus) <= set(bench.ARMS) and (arm.settings is None or set(arm.settings) <= set(bench.SETTINGS))
         assert arm.envs is None or set(arm.envs) <= set(bench.ENVS)
+        assert hasattr(sb3_influence, arm.filter_class)
     # Every arm by default, each where it applies: no iif-aware job in the SGD cell, the trajectory arms only there
     jobs = bench.grid(["MiniGrid"], seeds=[0, 1])
     per_cell = {s: [(j.arm, j.seed) for j in jobs if j.setting == s] for s in ("sgd", "adam1e-3", "sb3")}

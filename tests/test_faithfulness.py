@@ -102,3 +102,17 @@ def test_faithfulness_records_its_drop_mode():
         faithfulness(model, scores, drop_mode="zero")
     with pytest.raises(ValueError, match="drop_mode must be one of"):
         retrained_target(model, np.zeros(model.rollout_buffer.keep.shape, dtype=bool), 0, drop_mode="remove-all")
+
+
+def test_zero_weight_refuses_what_it_cannot_replay_before_any_work():
+    from sb3_influence import InfluenceA2C
+
+    model = one_step_sgd_model()
+    scores = {"single": model.compute_influence()}
+    model.target_kl = 0.01
+    with pytest.raises(ValueError, match=r"drop_mode='zero-weight' does not replay target_kl.*target_kl=None"):
+        faithfulness(model, scores, drop_mode="zero-weight")
+    a2c = InfluenceA2C("MlpPolicy", "CartPole-v1", n_steps=8, seed=0)
+    collect_rollout(a2c)
+    with pytest.raises(ValueError, match=r"InfluenceA2C has no such replay: use drop_mode='remove'"):
+        retrained_target(a2c, np.zeros(a2c.rollout_buffer.keep.shape, dtype=bool), 0, drop_mode="zero-weight")

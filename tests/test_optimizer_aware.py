@@ -267,16 +267,18 @@ def test_second_moment_term_matches_brute_force(optimizer):
     assert not np.allclose(expected, brute_force(model), rtol=1e-6)  # the term is not negligible in this round
 
 
-@pytest.mark.parametrize("steps_per_batch", [1, 4])
-def test_steps_scored_in_batches_of_any_size(steps_per_batch):
-    """The ghost dot products of several steps are computed together: how many at once changes nothing."""
+@pytest.mark.parametrize("steps_per_batch, batch_elements", [(1, 2**23), (4, 2**23), (64, 1)])
+def test_steps_scored_in_batches_of_any_size(steps_per_batch, batch_elements):
+    """The ghost dot products of several steps are computed together: how many at once changes nothing (a memory
+    cap below one step's parameter rows scores one step at a time)."""
     from sb3_influence import ReturnTarget
     from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
 
     # batch_size 20 of 48 records: two minibatches of 20 and one of 8 per epoch (a batch ends when the size changes)
     model = float64_model("adam", action="box", batch_size=20, max_grad_norm=0.05)
-    scorer = OptimizerAwareScorer(model, ReturnTarget(), 4096, steps_per_batch=steps_per_batch)
+    scorer = OptimizerAwareScorer(model, ReturnTarget(), 4096, steps_per_batch=steps_per_batch, batch_elements=batch_elements)
     model.replay_update([scorer])
+    assert scorer._grads.shape[0] == (1 if batch_elements == 1 else steps_per_batch)
     expected = brute_force(model)
     np.testing.assert_allclose(
         model.rollout_buffer.to_records(scorer.scores), expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max()

@@ -36,6 +36,26 @@ from sb3_influence.common.targets import Target, as_target
 DROP_MODES = ("remove", "zero-weight")
 
 
+def check_drop_mode(model: Any, drop_mode: str) -> None:
+    """
+    Raise ``ValueError`` for an unknown ``drop_mode``, or ``"zero-weight"`` on a model whose update cannot be
+    replayed with record weights (not PPO, or ``target_kl`` early stopping), naming the fix.
+    """
+    if drop_mode not in DROP_MODES:
+        raise ValueError(f"drop_mode must be one of {DROP_MODES}, got {drop_mode!r}")
+    if drop_mode == "zero-weight":
+        if not getattr(model, "unrolled_update", False):
+            raise ValueError(
+                f"drop_mode='zero-weight' replays PPO's update with record weights; {type(model).__name__} has no such "
+                "replay: use drop_mode='remove'"
+            )
+        if model.target_kl is not None:
+            raise ValueError(
+                "drop_mode='zero-weight' does not replay target_kl early stopping: set target_kl=None on the model or use "
+                "drop_mode='remove'"
+            )
+
+
 def retrained_target(
     model: Any, drop: np.ndarray, order_seed: int, target: str | Target = "return", drop_mode: str = "remove"
 ) -> float:
@@ -51,13 +71,13 @@ def retrained_target(
         ``"zero-weight"``: every record stays in its minibatch, in the order of ``order_seed``, and the left-out ones
         have loss weight 0 (the update's differentiable replay, :func:`~sb3_influence.common.scoring.unrolled.
         unrolled_replay`, which lands on the real update's parameters when nothing is left out; the minibatch's
-        advantage normalisation still counts them). PPO (``InfluencePPO``, ``InfluenceMaskablePPO``) only.
+        advantage normalisation still counts them). PPO (``InfluencePPO``, ``InfluenceMaskablePPO``) with
+        ``target_kl=None`` only.
     :return: The target's value.
     """
     from stable_baselines3.common.logger import Logger
 
-    if drop_mode not in DROP_MODES:
-        raise ValueError(f"drop_mode must be one of {DROP_MODES}, got {drop_mode!r}")
+    check_drop_mode(model, drop_mode)
     round_ = model.current_round()
     buffer = model.rollout_buffer
     permutation = round_.first_permutation
@@ -119,8 +139,7 @@ def faithfulness(
         ``lds``/``pearson`` over all subsets by score, ``reliability``, ``ceiling``, ``extremes`` (per score, effect of
         dropping its bottom/top 5 % in standard deviations of random 5 % drops), ``n_retrains``, ``drop_mode``.
     """
-    if drop_mode not in DROP_MODES:
-        raise ValueError(f"drop_mode must be one of {DROP_MODES}, got {drop_mode!r}")
+    check_drop_mode(model, drop_mode)
     if n_orders < 2:
         raise ValueError(f"n_orders must be at least 2 (the split-half reliability needs two halves), got {n_orders}")
     if n_subsets < 3:

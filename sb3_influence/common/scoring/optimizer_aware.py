@@ -142,7 +142,9 @@ class OptimizerAwareScorer:
         ``"step"``: ``v = ∇f(θ_j)`` recomputed at every step (one target gradient per step).
     :param second_moment: Adam/AdamW: include the record's effect through the second-moment estimate.
     :param steps_per_batch: Steps whose ghost dot products are computed together, at most.
-    :param batch_elements: Numbers (layer inputs and output gradients) kept for them, at most (memory).
+    :param batch_elements: Numbers kept for them, at most (memory): layer inputs and output gradients, and per step
+        a row of gradients, directions and optimizer state (about 4 parameter-sized rows, so a large network is
+        scored fewer steps at a time).
     """
 
     def __init__(
@@ -214,7 +216,7 @@ class OptimizerAwareScorer:
     def _on_forward(self, module: nn.Module, inputs: tuple[th.Tensor, ...], output: th.Tensor) -> None:
         if not self._recording or not isinstance(output, th.Tensor) or not output.requires_grad:
             return
-        call = _Call(module, inputs[0], output)
+        call = _Call(module, inputs[0].detach(), output)
         self._calls.append(call)
         if module in self._retained:
             output.retain_grad()  # (kept by autograd itself: no Python call in the backward pass)
@@ -260,11 +262,13 @@ class OptimizerAwareScorer:
                     weight, bias = layout.index.get(module.weight), None if bias is None else layout.index.get(bias)
                     self._layers[module] = (scorer, weight, bias)
             first = layout.params[0]
+            # The rows of gradients and directions count against the memory cap too
+            self._rows = max(1, min(self.steps_per_batch, self.batch_elements // max(1, 4 * layout.size)))
             self._groups = [
-                (GroupSteps(optimizer, group, params, self.steps_per_batch, self.second_moment), where)
+                (GroupSteps(optimizer, group, params, self._rows, self.second_moment), where)
                 for group, params, where in layout.groups
             ]
-            self._grads = th.zeros(self.steps_per_batch, layout.size, dtype=first.dtype, device=first.device)
+            self._grads = th.zeros(self._rows, layout.size, dtype=first.dtype, device=first.device)
             self._directions = th.zeros_like(self._grads)
         return self._layout
 
@@ -294,7 +298,7 @@ class OptimizerAwareScorer:
             return
         pending = self._pending
         if pending and (
-            len(pending) == self.steps_per_batch
+            len(pending) == self._rows
             or len(info.record_ids) != len(pending[0].record_ids)
             or self._held >= self.batch_elements
         ):

@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch as th
 from torch import nn
 
@@ -34,17 +33,13 @@ def check_optimizer(optimizer: th.optim.Optimizer) -> None:
             raise ValueError("optimizer_aware scoring needs a minimising optimizer (maximize=False)")
 
 
-def _momentum_spread(beta: float, step: int, steps_left: int) -> float:
-    """``(1 − β) Σ_{t<steps_left} β^t / (1 − β^(step+t))``: how much of one gradient a bias-corrected EMA carries."""
-    t = np.arange(steps_left, dtype=np.float64)
-    return float((1 - beta) * np.sum(beta**t / (1 - beta ** (step + t))))
-
-
 class Spreads:
     """
-    :func:`_momentum_spread` for the steps of one round, computed once: step ``s`` with ``L`` steps left is
-    followed by step ``s + 1`` with ``L − 1`` left, and ``S(s, L) = (1 − β) / (1 − β^s) + β S(s + 1, L − 1)``, so the
-    first request fills the whole chain and the later steps' are look-ups.
+    How much of one gradient a bias-corrected EMA carries over a round's remaining steps,
+    ``S(s, L) = (1 − β) Σ_{t<L} β^t / (1 − β^(s+t))`` for step ``s`` with ``L`` steps left, cached per round: step
+    ``s`` with ``L`` steps left is followed by step ``s + 1`` with ``L − 1`` left, and
+    ``S(s, L) = (1 − β) / (1 − β^s) + β S(s + 1, L − 1)``, so the first request fills the whole chain and the later
+    steps' are look-ups.
     """
 
     def __init__(self) -> None:
@@ -160,7 +155,7 @@ class GroupSteps:
 
         :param grad: The rows' gradients, ``(rows, size)`` (not modified).
         :param v: The direction, ``(size,)``.
-        :param spreads: ``spreads(β, step, steps_left)``: :func:`_momentum_spread` or a cache of it (:class:`Spreads`).
+        :param spreads: ``spreads(β, step, steps_left)``: :class:`Spreads`.
         :param out: Where to write the result (``(rows, size)``), or ``None``.
         :return: ``(rows, size)``.
         """
@@ -246,7 +241,7 @@ def update_map(
             steps = GroupSteps(optimizer, group, params, 1, second_moment)
             steps.record(0, steps_left)
             grad = flatten_tensors([param.grad for param in params])[None]
-            direction = steps.directions(grad, flatten_tensors([v[param] for param in params]), _momentum_spread)[0]
+            direction = steps.directions(grad, flatten_tensors([v[param] for param in params]), Spreads())[0]
             for param, piece in zip(params, direction.split(steps.sizes), strict=True):
                 out[param] = piece.view_as(param)
     return out
