@@ -110,7 +110,8 @@ class IIFCallback(RoundCallback):
         by the sum of their records' scores and whole trajectories are dropped (see
         :mod:`sb3_influence.common.units`); ``n_neg`` and ``iif/n_negative`` then count trajectories
         (``iif/n_dropped`` still counts records).
-    :param budget: How ``fraction`` sizes a trajectory drop (ignored with ``unit="record"``). ``"records"`` (the
+    :param budget: How ``fraction`` sizes a trajectory drop (with ``unit="record"`` a unit is a record, so both
+        budgets are the same). ``"records"`` (the
         default): in records, as with ``unit="record"``: ``"neg-bottom"`` drops the most negative trajectories until
         they hold at least ``floor(fraction · n)`` records, ``n`` the records of the negative trajectories (the last
         trajectory may overshoot). ``"units"``: in trajectories, ``floor(fraction · n_neg)`` trajectories, which is 0
