@@ -17,6 +17,12 @@ UNITS = ("record", "trajectory")
 BUDGETS = ("records", "units")
 
 
+def _check_choice(name: str, value: str, choices: tuple[str, ...], owner: str) -> str:
+    if value not in choices:
+        raise ValueError(f"{owner}: {name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def check_unit(unit: str, owner: str) -> str:
     """
     Validate a ``unit`` argument.
@@ -25,9 +31,7 @@ def check_unit(unit: str, owner: str) -> str:
     :param owner: Who takes it (named in the error).
     :return: The unit.
     """
-    if unit not in UNITS:
-        raise ValueError(f"{owner}: unit must be one of {UNITS}, got {unit!r}")
-    return unit
+    return _check_choice("unit", unit, UNITS, owner)
 
 
 def check_budget(budget: str, owner: str) -> str:
@@ -38,9 +42,7 @@ def check_budget(budget: str, owner: str) -> str:
     :param owner: Who takes it (named in the error).
     :return: The budget.
     """
-    if budget not in BUDGETS:
-        raise ValueError(f"{owner}: budget must be one of {BUDGETS}, got {budget!r}")
-    return budget
+    return _check_choice("budget", budget, BUDGETS, owner)
 
 
 def trajectory_sums(record_values: np.ndarray, trajectory_ids: np.ndarray) -> np.ndarray:
