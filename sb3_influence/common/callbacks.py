@@ -111,12 +111,12 @@ class IIFCallback(RoundCallback):
         :mod:`sb3_influence.common.units`); ``n_neg`` and ``iif/n_negative`` then count trajectories
         (``iif/n_dropped`` still counts records).
     :param budget: How ``fraction`` sizes a trajectory drop (with ``unit="record"`` a unit is a record, so both
-        budgets are the same). ``"records"`` (the
-        default): in records, as with ``unit="record"``: ``"neg-bottom"`` drops the most negative trajectories until
-        they hold at least ``floor(fraction · n)`` records, ``n`` the records of the negative trajectories (the last
-        trajectory may overshoot). ``"units"``: in trajectories, ``floor(fraction · n_neg)`` trajectories, which is 0
-        whenever a round has fewer than ``1 / fraction`` negative trajectories. A rule of your own needs a ``sizes``
-        keyword for ``"records"`` (see :mod:`sb3_influence.common.filters`).
+        budgets are the same). ``"records"`` (the default): in records, as with ``unit="record"``: ``"neg-bottom"``
+        drops the most negative trajectories until they hold at least ``floor(fraction · n)`` records, ``n`` the
+        records of the negative trajectories (the last trajectory may overshoot). ``"units"``: in trajectories,
+        ``floor(fraction · n_neg)`` trajectories, which is 0 whenever a round has fewer than ``1 / fraction`` negative
+        trajectories. A rule of your own needs a ``sizes`` keyword for ``"records"`` (see
+        :mod:`sb3_influence.common.filters`).
     :param verbose: Verbosity level: 0 no output, 1 one line per round.
     """
 
@@ -206,13 +206,14 @@ class IIFCallback(RoundCallback):
         buffer = self.model.rollout_buffer
         scores = self.unit_scores(round_)
         rng = self.round_rng(round_)
+        trajectory_ids = buffer.trajectory_ids() if self.unit == "trajectory" else None
         if self.sized:
-            sizes = np.bincount(buffer.trajectory_ids(), minlength=len(scores))
+            sizes = np.bincount(trajectory_ids, minlength=len(scores))
             drop = self._drop_rule(scores, self.fraction, rng, sizes=sizes)
         else:
             drop = self._drop_rule(scores, self.fraction, rng)
-        if self.unit == "trajectory":
-            drop = to_records(drop, buffer.trajectory_ids())
+        if trajectory_ids is not None:
+            drop = to_records(drop, trajectory_ids)
         drop = buffer.to_records(drop)
         n_dropped = self.model.drop_records(drop, source={"filter": type(self).__name__, **self.settings})
         self.last_drop = drop
