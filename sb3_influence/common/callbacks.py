@@ -207,7 +207,7 @@ class IIFCallback(RoundCallback):
         scores = self.unit_scores(round_)
         rng = self.round_rng(round_)
         trajectory_ids = buffer.trajectory_ids() if self.unit == "trajectory" else None
-        if self.sized:
+        if self.sized and trajectory_ids is not None:
             sizes = np.bincount(trajectory_ids, minlength=len(scores))
             drop = self._drop_rule(scores, self.fraction, rng, sizes=sizes)
         else:
