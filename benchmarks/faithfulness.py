@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch as th
 
+from sb3_influence.common import sb3_compat
+
 RESULTS = Path(__file__).parent / "results" / "faithfulness"
 ENVS = {
     "CartPole": "CartPole-v1",
@@ -78,9 +80,7 @@ def collect_round(model: Any, rounds: int) -> None:
     """Train ``rounds`` rounds of plain PPO, then collect the next rollout (round ``rounds``) without training."""
     if rounds:
         model.learn(rounds * model.n_steps)
-    _, callback = model._setup_learn(model.n_steps, callback=None, reset_num_timesteps=False)
-    callback.on_training_start(locals(), globals())
-    model.collect_rollouts(model.env, callback, model.rollout_buffer, n_rollout_steps=model.n_steps)
+    sb3_compat.collect_rollout(model, reset_num_timesteps=False)
 
 
 def score(model: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:

@@ -66,7 +66,7 @@ def _model(env: str, max_grad_norm: float, rounds: int) -> Any:
     model = bench.make_model(spec, 0, "adam3e-4", n_envs=1, n_steps=2048, max_grad_norm=max_grad_norm)
     if rounds:
         model.learn(rounds * model.n_steps)
-    model._setup_learn(total_timesteps=10**9, callback=None, reset_num_timesteps=False)
+    sb3_compat.setup_learn(model, 10**9, reset_num_timesteps=False)
     _collect(model)
     model.run_round()
     return model

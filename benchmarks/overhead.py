@@ -34,6 +34,7 @@ import numpy as np
 import torch as th
 
 from sb3_influence import bench
+from sb3_influence.common import sb3_compat
 from sb3_influence.common.filters import drop_neg_bottom
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -84,7 +85,7 @@ def _model(env: str, n_envs: int, n_steps: int, net_arch: list[int] | None, seed
     spec = bench.ENVS[env]
     policy_kwargs = {} if net_arch is None else {"net_arch": dict(pi=net_arch, vf=net_arch)}
     model = bench.make_model(spec, seed, n_envs=n_envs, n_steps=n_steps, policy_kwargs=policy_kwargs)
-    model._setup_learn(total_timesteps=10**9, callback=None)
+    sb3_compat.setup_learn(model, 10**9)
     return model
 
 

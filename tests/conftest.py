@@ -8,6 +8,8 @@ from gymnasium import spaces
 from stable_baselines3.common.preprocessing import preprocess_obs
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 
+from sb3_influence.common import sb3_compat
+
 
 class SpaceEnv(gym.Env):
     """Random observations of any space, reward depending on the action, episodes of ``ep_length`` steps."""
@@ -104,9 +106,7 @@ def policy_for(obs: str) -> tuple[str, dict]:
 
 def collect_rollout(model) -> None:
     """Collect one rollout (and its advantages) without training."""
-    _, callback = model._setup_learn(model.n_steps * model.n_envs, callback=None)
-    callback.on_training_start(locals(), globals())
-    assert model.collect_rollouts(model.env, callback, model.rollout_buffer, n_rollout_steps=model.n_steps)
+    sb3_compat.collect_rollout(model)
 
 
 def params_equal(a, b) -> bool:
@@ -120,7 +120,7 @@ def reference_log_prob(policy, obs, actions) -> th.Tensor:
     pre = preprocess_obs(obs, policy.observation_space, normalize_images=policy.normalize_images)
     pre = {k: v.to(dtype) for k, v in pre.items()} if isinstance(pre, dict) else pre.to(dtype)
     latent = policy.mlp_extractor.forward_actor(policy.pi_features_extractor(pre))
-    dist = policy._get_action_dist_from_latent(latent)
+    dist = sb3_compat.action_distribution(policy, latent)
     if isinstance(policy.action_space, spaces.Discrete):
         actions = actions.long().flatten()
     else:
@@ -230,7 +230,7 @@ def reference_masked_log_prob(policy, obs, actions, masks=None) -> th.Tensor:
     pre = preprocess_obs(obs, policy.observation_space, normalize_images=policy.normalize_images)
     pre = {k: v.to(dtype) for k, v in pre.items()} if isinstance(pre, dict) else pre.to(dtype)
     latent = policy.mlp_extractor.forward_actor(policy.pi_features_extractor(pre))
-    dist = policy._get_action_dist_from_latent(latent)
+    dist = sb3_compat.action_distribution(policy, latent)
     if masks is not None:
         dist.apply_masking(masks)
     if isinstance(policy.action_space, spaces.Discrete):

@@ -7,6 +7,7 @@ import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
 
 from sb3_influence import ActionTarget, InfluencePPO
+from sb3_influence.common import sb3_compat
 from sb3_influence.common.snapshots import save_snapshot
 from sb3_influence.analysis import (
     DiagnosisCallback,
@@ -407,7 +408,7 @@ def test_intervention_leaves_the_model_unchanged():
     for key in opt_a["state"]:
         for field, value in opt_a["state"][key].items():
             assert th.equal(th.as_tensor(value), th.as_tensor(opt_b["state"][key][field]))
-    assert with_intervention._n_updates == plain._n_updates
+    assert sb3_compat.n_updates(with_intervention) == sb3_compat.n_updates(plain)
     assert len(callback.results) == 1
     table = callback.results[0]
     assert list(table["arm"]) == ["none", "negatives", "random", "bottom", "top"]

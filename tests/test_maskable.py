@@ -23,6 +23,7 @@ from test_optimizer_aware import float64_model, return_target
 
 from sb3_influence import AttributionCallback, IIFCallback, InfluenceMaskablePPO, InfluenceRolloutBuffer, load_snapshot
 from sb3_influence.analysis.intervention import target_value
+from sb3_influence.common import sb3_compat
 from sb3_influence.common.snapshots import load_snapshots
 from sb3_influence.maskable import InfluenceMaskableDictRolloutBuffer, InfluenceMaskableRolloutBuffer
 
@@ -233,7 +234,7 @@ def weighted_update_target(model, weights: np.ndarray) -> float:
     """f after the real update (torch's optimizer, its clipping) on loss mean(w_i ℓ_i), ℓ_i from ``maskable_loss``."""
     replay = copy.deepcopy(model)
     params = list(replay.policy.parameters())
-    clip_range_vf = None if replay.clip_range_vf is None else replay.clip_range_vf(replay._current_progress_remaining)
+    clip_range_vf = None if replay.clip_range_vf is None else replay.clip_range_vf(sb3_compat.progress_remaining(replay))
     weights = th.as_tensor(weights)
 
     def reweight(info):

@@ -9,6 +9,7 @@ from conftest import OddExtractor, TinyCNN, collect_rollout, make_env
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 
 from sb3_influence import AttributionCallback, IIFCallback, InfluencePPO
+from sb3_influence.common import sb3_compat
 from sb3_influence.common.scoring.optimizer_aware import update_map
 
 
@@ -97,7 +98,7 @@ def brute_force(model, second_moment: bool = False, record_losses=None) -> np.nd
     replay = copy.deepcopy(model)
     record_losses = record_losses or type(replay).record_losses
     v = return_target_gradient(replay)
-    progress = replay._current_progress_remaining
+    progress = sb3_compat.progress_remaining(replay)
     clip_range_vf = None if replay.clip_range_vf is None else replay.clip_range_vf(progress)
     scores = np.zeros(replay.rollout_buffer.n_records)
 
@@ -182,7 +183,7 @@ def test_matches_brute_force_with_grad_clipping_and_a_gaussian_policy(optimizer)
 def test_record_losses_are_the_update_loss():
     """The gradient of mean(record_losses) is the gradient the update takes (before clipping)."""
     model = float64_model("adam", max_grad_norm=1e9, clip_range_vf=0.2)
-    progress = model._current_progress_remaining
+    progress = sb3_compat.progress_remaining(model)
     checked = []
 
     def check(info):

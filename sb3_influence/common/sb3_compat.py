@@ -2,9 +2,10 @@
 Every private Stable-Baselines3 name this package relies on, in one place.
 
 SB3 does not promise these names. ``tests/test_sb3_compat.py`` checks each one against the installed SB3 and
-fails loudly, naming the attribute, when a release renames or removes it. Nothing else in the package touches
-an underscore name of SB3; SB3's documented extension points (``_setup_model``, ``_excluded_save_params``,
-``_init_callback``, ``_on_step``, ``_setup_learn``) are overridden where SB3 expects subclasses to do so.
+fails loudly, naming the attribute, when a release renames or removes it. Nothing else in the package, its tests,
+benchmarks or scripts touches an underscore name of SB3; SB3's documented extension points (``_setup_model``,
+``_excluded_save_params``, ``_init_callback``, ``_on_step``, ``_setup_learn``) are overridden where SB3 expects
+subclasses to do so.
 """
 
 from typing import Any
@@ -13,6 +14,7 @@ import torch as th
 from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
+from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.policies import ActorCriticPolicy
@@ -80,3 +82,27 @@ def set_model_logger(model: Any, logger: Logger | None) -> None:
 def update_progress_remaining(model: Any) -> None:
     """Recompute the progress remaining from ``num_timesteps``, as ``learn()`` does after each rollout."""
     model._update_current_progress_remaining(model.num_timesteps, model._total_timesteps)
+
+
+def setup_learn(model: Any, total_timesteps: int, reset_num_timesteps: bool = True) -> BaseCallback:
+    """
+    What ``learn()`` does before its first rollout (``BaseAlgorithm._setup_learn``: logger, environment reset,
+    timestep counters, the round's bookkeeping of an influence algorithm), without training; returns the callback.
+    """
+    _, callback = model._setup_learn(total_timesteps, callback=None, reset_num_timesteps=reset_num_timesteps)
+    return callback
+
+
+def collect_rollout(model: Any, total_timesteps: int | None = None, reset_num_timesteps: bool = True) -> None:
+    """
+    Collect one rollout into the model's buffer (with its advantages) without training, as ``learn()`` would next.
+
+    :param model: An on-policy algorithm.
+    :param total_timesteps: The ``learn()`` budget the schedules see (default: one rollout).
+    :param reset_num_timesteps: As in ``learn()``: ``False`` continues from the model's current step count.
+    """
+    total = model.n_steps * model.n_envs if total_timesteps is None else total_timesteps
+    callback = setup_learn(model, total, reset_num_timesteps)
+    callback.on_training_start(locals(), globals())
+    if not model.collect_rollouts(model.env, callback, model.rollout_buffer, n_rollout_steps=model.n_steps):
+        raise RuntimeError("a callback stopped the rollout early; collect_rollout needs a full rollout")
