@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch as th
+from scipy.stats import spearmanr
 
 from sb3_influence.common import sb3_compat
 
@@ -51,6 +52,8 @@ OPTIMIZERS = {
     "adam1e-3": dict(learning_rate=1e-3),
 }
 SCORERS = ("single", "multi", "aware", "aware_step", "unrolled")
+#: The measured leave-one-out effects, scored like a scorer (``--loo``): an oracle, not a scorer
+ORACLE = "loo"
 
 
 def make_model(env: str, optimizer: str, seed: int, n_steps: int) -> Any:
@@ -115,9 +118,9 @@ def update_cost(model: Any, repeats: int = 3) -> dict[str, float]:
 
 
 def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Namespace, drop_mode: str = "remove") -> Path:
-    from sb3_influence.analysis.faithfulness import faithfulness
+    from sb3_influence.analysis.faithfulness import faithfulness, leave_one_out
 
-    mode = "" if drop_mode == "remove" else f"_{drop_mode}"
+    mode = ("" if drop_mode == "remove" else f"_{drop_mode}") + ("_loo" if args.loo else "")
     path = RESULTS / f"{env}_{optimizer}_r{rounds}_s{seed}_n{args.subsets}{mode}.json"
     if path.exists():
         print(f"skip {path.name} (done)", flush=True)
@@ -127,6 +130,17 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
     collect_round(model, rounds)
     scores, seconds = score(model)
     cost = update_cost(model)
+    record_spearman = {}
+    if args.loo:
+        # Every record's measured effect alone, under the orders faithfulness() uses below (same seed)
+        start_loo = time.process_time()
+        scores[ORACLE] = leave_one_out(model, args.orders, seed=1000 + seed, progress=args.progress, drop_mode=drop_mode)
+        seconds[ORACLE] = time.process_time() - start_loo
+        kept = model.rollout_buffer.keep
+        oracle = scores[ORACLE][kept]
+        record_spearman = {
+            name: float(spearmanr(values[kept], oracle).statistic) for name, values in scores.items() if name != ORACLE
+        }
     result = faithfulness(
         model,
         scores,
@@ -146,6 +160,7 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
         n_subsets=args.subsets,
         n_orders=args.orders,
         scoring_cpu_s=seconds,
+        record_spearman_vs_loo=record_spearman,
         cost=cost,
         cpu_s=time.process_time() - start,
         python=platform.python_version(),
@@ -170,10 +185,12 @@ def summary(out: Path) -> None:
         sizes = row["per_size"]
         row["lds"] = {name: float(np.mean([size["lds"][name] for size in sizes])) for name in sizes[0]["lds"]}
         row["ceiling"] = float(np.mean([size["ceiling"] for size in sizes]))
+    # The in-run cost each cell also stores predates the scorer's speed-up: benchmarks/inrun_cost.py measures it now
     lines = [
         "| env | optimizer | round | seed | drop | subsets/size | " + " | ".join(f"LDS {name}" for name in SCORERS) + " | "
-        "ceiling | best ≥ 80 % of ceiling | bottom-5 % drop (single / best), σ | in-run cost |",
-        "|---|---|---|---|---|---|" + "---|" * len(SCORERS) + "---|---|---|---|",
+        "ceiling | best ≥ 80 % of ceiling | bottom-5 % drop (single / best), σ | LDS loo (additive oracle) | "
+        "per record ρ(unrolled, loo) |",
+        "|---|---|---|---|---|---|" + "---|" * len(SCORERS) + "---|---|---|---|---|",
     ]
     for row in rows:
         lds = [f"{row['lds'][name]:.2f}" if name in row["lds"] else "—" for name in SCORERS]
@@ -181,12 +198,14 @@ def summary(out: Path) -> None:
         best = max((name for name in ("aware", "aware_step", "unrolled") if name in row["lds"]), key=row["lds"].get)
         ratio = row["lds"][best] / row["ceiling"] if row["ceiling"] > 0 else float("nan")
         extremes = row["extremes"]
-        cost = row["cost"]["update_with_aware_s"] / row["cost"]["update_s"] - 1
+        oracle = f"{row['lds'][ORACLE]:.2f}" if ORACLE in row["lds"] else "—"
+        agreement = row.get("record_spearman_vs_loo", {})
+        per_record = f"{agreement['unrolled']:.2f}" if "unrolled" in agreement else "—"
         lines.append(
             f"| {row['env']} | {row['optimizer']} | {row['round']} | {row['seed']} | {row.get('drop_mode', 'remove')} | "
             f"{row['n_subsets']} | " + " | ".join(lds) + f" | "
             f"{row['ceiling']:.2f} | {'yes' if ratio >= 0.8 else 'no'} ({best} {ratio:.0%}) | "
-            f"{extremes['single']['bottom']:+.1f} / {extremes[best]['bottom']:+.1f} | {cost:+.0%} |"
+            f"{extremes['single']['bottom']:+.1f} / {extremes[best]['bottom']:+.1f} | {oracle} | {per_record} |"
         )
     out.write_text("\n".join(lines) + "\n")
     import matplotlib
@@ -199,12 +218,14 @@ def summary(out: Path) -> None:
     labels = [
         f"{r['env']}\n{r['optimizer']} r{r['round']} s{r['seed']}"
         + ("\nzero-w" if r.get("drop_mode") == "zero-weight" else "")
+        + ("\n+loo" if ORACLE in r["lds"] else "")
         for r in rows
     ]
     x = np.arange(len(rows))
     for offset, name in enumerate(SCORERS):
         ax.bar(x + (offset - 2) * 0.16, [r["lds"].get(name, np.nan) for r in rows], width=0.16, label=name)
     ax.plot(x, [r["ceiling"] for r in rows], "k_", markersize=14, label="ceiling")
+    ax.plot(x, [r["lds"].get(ORACLE, np.nan) for r in rows], "kx", markersize=6, label="loo (additive oracle)")
     ax.set_xticks(x, labels, fontsize=6)
     ax.set_ylabel("LDS (Spearman)")
     ax.axhline(0, color="grey", lw=0.8)
@@ -239,6 +260,12 @@ def main(argv: list[str] | None = None) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="show the retrains of the cell under way and an ETA (a bar on a terminal, else a line every 30 s)",
+    )
+    parser.add_argument(
+        "--loo",
+        action="store_true",
+        help="also measure every record's leave-one-out effect (one retrain per record and order) and score with it: "
+        "the LDS an additive score reaches knowing each record's true effect alone",
     )
     parser.add_argument("--summary", action="store_true", help="only write the docs table and plot from the result files")
     args = parser.parse_args(argv)

@@ -102,6 +102,70 @@ def retrained_target(
             round_.first_permutation = permutation
 
 
+def _order_seeds(rng: np.random.Generator, n_orders: int) -> np.ndarray:
+    """The minibatch-order seeds of a measurement: the first draw of its generator."""
+    return rng.integers(0, 2**31 - 1, size=n_orders)
+
+
+def _retrain(
+    model: Any, drop: np.ndarray, order_seeds: np.ndarray, target: Target, drop_mode: str, reporter: Progress
+) -> np.ndarray:
+    """``f`` after retraining without ``drop`` under each of the orders."""
+    values = []
+    for order_seed in order_seeds:
+        values.append(retrained_target(model, drop, int(order_seed), target, drop_mode))
+        reporter.update(1)
+    return np.array(values)
+
+
+def leave_one_out(
+    model: Any,
+    n_orders: int = 4,
+    target: str | Target = "return",
+    seed: int = 0,
+    progress: bool = False,
+    drop_mode: str = "remove",
+) -> np.ndarray:
+    """
+    The measured effect of leaving out each record alone, in the sign of an influence score:
+    ``I_i = −mean_o [f(θ_{−i}, o) − f(θ, o)]`` over the minibatch orders ``o`` (positive: the record helped ``f``).
+
+    Passed to :func:`faithfulness` as one more score, with the same ``seed``, ``n_orders``, ``target`` and
+    ``drop_mode`` (so the same orders), its LDS is what an *additive* score reaches when it knows every record's
+    true effect alone: the prediction ``−Σ_{i∈S} I_i`` is then the sum of the measured single-record effects.
+    The gap between that LDS and the ceiling is what the records do together (group effects); the gap between a
+    score's LDS and it is what the score gets wrong about records one at a time. Costs one retrain per kept
+    record and order (plus one reference per order).
+
+    :param model: An influence algorithm whose buffer holds round k (see :func:`faithfulness`).
+    :param n_orders: Minibatch orders averaged over (the first ``n_orders`` orders of ``faithfulness(seed=seed)``).
+    :param target: The target whose change is measured.
+    :param seed: Seed of the orders; use the one given to :func:`faithfulness`.
+    :param progress: Show the retrains done and an ETA.
+    :param drop_mode: How a retrain leaves the record out (see :func:`retrained_target`).
+    :return: Scores of shape ``(n_steps, n_envs)``; 0 for records the buffer does not keep.
+    """
+    check_drop_mode(model, drop_mode)
+    if n_orders < 1:
+        raise ValueError(f"n_orders must be at least 1, got {n_orders}")
+    target = as_target(target)
+    buffer = model.rollout_buffer
+    shape = buffer.keep.shape
+    kept = np.flatnonzero(buffer.keep.reshape(-1))
+    order_seeds = _order_seeds(np.random.default_rng(seed), n_orders)
+    reporter = Progress(n_orders * (1 + len(kept)), unit="retrain", desc="leave-one-out", enabled=progress)
+    reference = _retrain(model, np.zeros(shape, dtype=bool), order_seeds, target, drop_mode, reporter)
+    scores = np.zeros(shape[0] * shape[1], dtype=np.float64)
+    for record in kept:
+        drop = np.zeros(shape[0] * shape[1], dtype=bool)
+        drop[record] = True
+        scores[record] = -float(
+            np.mean(_retrain(model, drop.reshape(shape), order_seeds, target, drop_mode, reporter) - reference)
+        )
+    reporter.close()
+    return scores.reshape(shape)
+
+
 def _pearson(x: np.ndarray, y: np.ndarray) -> float:
     x = np.asarray(x, dtype=np.float64) - np.mean(x)
     y = np.asarray(y, dtype=np.float64) - np.mean(y)
@@ -149,17 +213,13 @@ def faithfulness(
     shape = buffer.keep.shape
     kept = np.flatnonzero(buffer.keep.reshape(-1))
     rng = np.random.default_rng(seed)
-    order_seeds = rng.integers(0, 2**31 - 1, size=n_orders)
+    order_seeds = _order_seeds(rng, n_orders)
     # reference + subsets + random 5 % drops + bottom/top of each score, each under every order
     planned = n_orders * (1 + len(sizes) * n_subsets + max(5, n_subsets // 10) + 2 * len(scores))
     reporter = Progress(planned, unit="retrain", desc="faithfulness", enabled=progress)
 
     def retrain(drop: np.ndarray) -> np.ndarray:
-        values = []
-        for order_seed in order_seeds:
-            values.append(retrained_target(model, drop, int(order_seed), target, drop_mode))
-            reporter.update(1)
-        return np.array(values)
+        return _retrain(model, drop, order_seeds, target, drop_mode, reporter)
 
     reference = retrain(np.zeros(shape, dtype=bool))
     n_retrains = n_orders
