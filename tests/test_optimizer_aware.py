@@ -286,6 +286,22 @@ def test_steps_scored_in_batches_of_any_size(steps_per_batch, batch_elements):
     )
 
 
+def test_batch_of_clipped_and_unclipped_steps():
+    """A batch of steps of which only some were clipped projects the directions of those steps alone."""
+    from sb3_influence import ReturnTarget
+    from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
+
+    model = float64_model("adam", max_grad_norm=5.0)  # (this round: 4 of its 9 steps clipped)
+    coefficients: list[float] = []
+    scorer = OptimizerAwareScorer(model, ReturnTarget(), 4096)
+    model.replay_update([lambda info: coefficients.append(info.clip_coef), scorer])
+    assert 0 < sum(coefficient < 1 for coefficient in coefficients) < len(coefficients)
+    expected = brute_force(model)
+    np.testing.assert_allclose(
+        model.rollout_buffer.to_records(scorer.scores), expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max()
+    )
+
+
 @pytest.mark.parametrize(
     "module, input_shape",
     [

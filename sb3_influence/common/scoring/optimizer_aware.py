@@ -350,11 +350,16 @@ class OptimizerAwareScorer:
             directions[:, layout.optimized :] = 0  # parameters the optimizer does not move
         for steps, where in self._groups:
             steps.directions(grads[:, where], v[where], self._spreads, out=directions[:, where])
-        if any(item.clipped for item in pending):
+        clipped = [step for step, item in enumerate(pending) if item.clipped]
+        if clipped:
             # A clipped step has a fixed norm: only the part of a record's gradient orthogonal to ĝ moves it
-            clipped = th.tensor([item.clipped for item in pending], device=grads.device)
-            along = th.linalg.vecdot(grads, directions) / th.linalg.vecdot(grads, grads)
-            directions.addcmul_(grads, th.where(clipped, along, th.zeros_like(along))[:, None], value=-1)
+            # (projected in place when every step was clipped, else on a copy of the clipped steps' rows only)
+            rows = None if len(clipped) == len(pending) else th.tensor(clipped, device=grads.device)
+            grad, direction = (grads, directions) if rows is None else (grads[rows], directions[rows])
+            along = th.linalg.vecdot(grad, direction) / th.linalg.vecdot(grad, grad)
+            direction.addcmul_(grad, along[:, None], value=-1)
+            if rows is not None:
+                directions.index_copy_(0, rows, direction)
         # The calls of each layer (and input and output shape), with the steps they belong to
         batches: dict[tuple[Any, ...], tuple[list[int], list[th.Tensor], list[th.Tensor]]] = {}
         for step, item in enumerate(pending):
