@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -34,6 +35,7 @@ from stable_baselines3.common.logger import Logger
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import _collect
 
+import sb3_influence
 from sb3_influence import ReturnTarget, bench
 from sb3_influence.common import sb3_compat
 from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
@@ -122,7 +124,12 @@ def main() -> None:
     th.set_num_threads(1)
     result: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/inrun_cost.py", *sys.argv[1:]]),
-        "commit": os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip(),
+        # the commit of the sb3_influence that is imported (a "before" run may import another checkout)
+        "commit": subprocess.run(
+            ["git", "-C", os.path.dirname(sb3_influence.__file__), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip(),
         "threads": 1,
         "torch": th.__version__,
         "cpu": platform.processor() or platform.machine(),
