@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch as th
 
+from sb3_influence.common import sb3_compat
+
 RESULTS = Path(__file__).parent / "results" / "unrolled"
 
 
@@ -34,9 +36,7 @@ def main() -> None:
     model = InfluencePPO("MlpPolicy", args.env, n_steps=args.n_steps, seed=args.seed)
     if args.round:
         model.learn(args.round * args.n_steps)
-    _, callback = model._setup_learn(args.n_steps, callback=None, reset_num_timesteps=False)
-    callback.on_training_start(locals(), globals())
-    model.collect_rollouts(model.env, callback, model.rollout_buffer, n_rollout_steps=args.n_steps)
+    sb3_compat.collect_rollout(model, reset_num_timesteps=False)
     start = time.process_time()
     scores = {
         "single": model.compute_influence(),
