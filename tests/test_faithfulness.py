@@ -33,7 +33,9 @@ def test_lds_is_high_where_first_order_is_exact_and_the_model_is_untouched():
     scores["shuffled"] = np.random.default_rng(0).permutation(scores["single"].ravel()).reshape(scores["single"].shape)
     before = [p.detach().clone() for p in model.policy.parameters()]
     rng_before = np.random.get_state()[1].copy()
+    keep = model.rollout_buffer.keep.copy()
     result = faithfulness(model, scores, sizes=(0.1, 0.3), n_subsets=12, n_orders=2)
+    assert np.array_equal(model.rollout_buffer.keep, keep)
     assert all(th.equal(p, q) for p, q in zip(before, model.policy.parameters(), strict=True))
     np.testing.assert_array_equal(np.random.get_state()[1], rng_before)
     # A single full-batch step does not depend on the order: the truth is perfectly reliable
@@ -119,21 +121,31 @@ def test_zero_weight_refuses_what_it_cannot_replay_before_any_work():
 
 
 def test_leave_one_out_is_each_records_retrain_in_the_sign_of_a_score():
-    """Brute force: every record left out alone, retrained under the same orders as ``faithfulness(seed=...)``."""
+    """
+    Brute force: every record left out alone, retrained under the orders that ``faithfulness(seed=...)`` reports it
+    used; the model, its buffer's keep mask and numpy's global RNG are left as found.
+    """
     from sb3_influence.analysis.faithfulness import leave_one_out
 
     model = float64_model("adam", max_grad_norm=0.3)
     buffer = model.rollout_buffer
     buffer.keep[3] = False  # a record IIF already dropped is neither scored nor re-dropped
+    keep = buffer.keep.copy()
+    params = [p.detach().clone() for p in model.policy.parameters()]
+    np.random.seed(123)
+    rng_state = np.random.get_state()[1].copy()
     scores = leave_one_out(model, n_orders=2, seed=7)
-    orders = np.random.default_rng(7).integers(0, 2**31 - 1, size=2)
+    assert np.array_equal(buffer.keep, keep)
+    assert all(th.equal(p, q) for p, q in zip(params, model.policy.parameters(), strict=True))
+    np.testing.assert_array_equal(np.random.get_state()[1], rng_state)
+    orders = faithfulness(model, {"loo": scores}, sizes=(0.1,), n_subsets=3, n_orders=2, seed=7)["order_seeds"]
     nothing = np.zeros(buffer.keep.shape, dtype=bool)
-    reference = [retrained_target(model, nothing, int(order)) for order in orders]
+    reference = [retrained_target(model, nothing, order) for order in orders]
     expected = np.zeros(buffer.keep.shape)
     for index in zip(*np.nonzero(buffer.keep), strict=True):
         drop = nothing.copy()
         drop[index] = True
-        expected[index] = -np.mean([retrained_target(model, drop, int(o)) - r for o, r in zip(orders, reference, strict=True)])
+        expected[index] = -np.mean([retrained_target(model, drop, o) - r for o, r in zip(orders, reference, strict=True)])
     np.testing.assert_array_equal(scores, expected)
     assert np.all(scores[3] == 0) and np.count_nonzero(scores) == buffer.keep.sum()
 
@@ -151,5 +163,6 @@ def test_leave_one_out_agrees_with_the_first_order_score_where_first_order_is_ex
     unrolled = model.compute_influence(optimizer_aware="unrolled")
     measured = leave_one_out(model, n_orders=1, drop_mode="zero-weight")
     np.testing.assert_allclose(measured, unrolled, rtol=1e-3)
-    with pytest.raises(ValueError, match="n_orders must be at least 1"):
-        leave_one_out(model, n_orders=0)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="n_orders must be an integer of at least 1"):
+            leave_one_out(model, n_orders=bad)

@@ -146,8 +146,8 @@ def leave_one_out(
     :return: Scores of shape ``(n_steps, n_envs)``; 0 for records the buffer does not keep.
     """
     check_drop_mode(model, drop_mode)
-    if n_orders < 1:
-        raise ValueError(f"n_orders must be at least 1, got {n_orders}")
+    if isinstance(n_orders, bool) or not isinstance(n_orders, (int, np.integer)) or n_orders < 1:
+        raise ValueError(f"n_orders must be an integer of at least 1, got {n_orders!r}")
     target = as_target(target)
     buffer = model.rollout_buffer
     shape = buffer.keep.shape
@@ -201,7 +201,8 @@ def faithfulness(
         ``"zero-weight"`` (kept in their minibatches with loss weight 0); see :func:`retrained_target`.
     :return: Dict with ``per_size`` (one dict per size: ``lds`` and ``pearson`` by score, ``reliability``, ``ceiling``),
         ``lds``/``pearson`` over all subsets by score, ``reliability``, ``ceiling``, ``extremes`` (per score, effect of
-        dropping its bottom/top 5 % in standard deviations of random 5 % drops), ``n_retrains``, ``drop_mode``.
+        dropping its bottom/top 5 % in standard deviations of random 5 % drops), ``n_retrains``, ``drop_mode``,
+        ``order_seeds`` (the seeds of the minibatch orders, as :func:`retrained_target` takes them).
     """
     check_drop_mode(model, drop_mode)
     if n_orders < 2:
@@ -295,4 +296,5 @@ def faithfulness(
         "extremes": extremes,
         "n_retrains": n_retrains,
         "drop_mode": drop_mode,
+        "order_seeds": [int(order_seed) for order_seed in order_seeds],
     }

@@ -87,7 +87,12 @@ def update_progress_remaining(model: Any) -> None:
 def setup_learn(model: Any, total_timesteps: int, reset_num_timesteps: bool = True) -> BaseCallback:
     """
     What ``learn()`` does before its first rollout (``BaseAlgorithm._setup_learn``: logger, environment reset,
-    timestep counters, the round's bookkeeping of an influence algorithm), without training; returns the callback.
+    timestep counters, the round's bookkeeping of an influence algorithm), without training.
+
+    :param model: An on-policy algorithm.
+    :param total_timesteps: The ``learn()`` budget the schedules see.
+    :param reset_num_timesteps: As in ``learn()``: ``False`` continues from the model's current step count.
+    :return: The callback ``learn()`` would pass to ``collect_rollouts`` (no user callback: an empty list).
     """
     _, callback = model._setup_learn(total_timesteps, callback=None, reset_num_timesteps=reset_num_timesteps)
     return callback
