@@ -105,20 +105,6 @@ def score(model: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     return scores, seconds
 
 
-def update_cost(model: Any, repeats: int = 3) -> dict[str, float]:
-    """CPU seconds of the round's update alone and with the in-run optimizer-aware scorer (medians, side by side)."""
-    from sb3_influence import ReturnTarget
-    from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
-
-    plain, scored = [], []
-    for _ in range(repeats):
-        for times, hooks in ((plain, lambda: []), (scored, lambda: [OptimizerAwareScorer(model, ReturnTarget(), 4096)])):
-            start = time.process_time()
-            model.replay_update(hooks())
-            times.append(time.process_time() - start)
-    return {"update_s": float(np.median(plain)), "update_with_aware_s": float(np.median(scored))}
-
-
 def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Namespace, drop_mode: str = "remove") -> Path:
     from sb3_influence.analysis.faithfulness import faithfulness, leave_one_out
 
@@ -131,7 +117,6 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
     model = make_model(env, optimizer, seed, args.n_steps)
     collect_round(model, rounds)
     scores, seconds = score(model)
-    cost = update_cost(model)
     record_spearman = {}
     if args.loo:
         # Every record's measured effect alone, under the orders faithfulness() uses below (same seed)
@@ -163,7 +148,6 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
         n_orders=args.orders,
         scoring_cpu_s=seconds,
         record_spearman_vs_loo=record_spearman,
-        cost=cost,
         cpu_s=time.process_time() - start,
         python=platform.python_version(),
         torch=th.__version__,
@@ -194,7 +178,6 @@ def summary(out: Path) -> None:
         sizes = row["per_size"]
         row["lds"] = {name: float(np.mean([size["lds"][name] for size in sizes])) for name in sizes[0]["lds"]}
         row["ceiling"] = float(np.mean([size["ceiling"] for size in sizes]))
-    # The in-run cost each cell also stores predates the scorer's speed-up: benchmarks/inrun_cost.py measures it now
     lines = [
         "| env | optimizer | round | seed | drop | subsets/size | " + " | ".join(f"LDS {name}" for name in SCORERS) + " | "
         "ceiling | best ≥ 80 % of ceiling | bottom-5 % drop (single / best), σ | LDS loo (additive oracle) | "
