@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 import torch as th
-from scipy.stats import spearmanr
 
 from sb3_influence.common import sb3_compat
+from sb3_influence.common.stats import spearman
 
 RESULTS = Path(__file__).parent / "results" / "faithfulness"
 ENVS = {
@@ -125,9 +125,7 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
         seconds[ORACLE] = time.process_time() - start_loo
         kept = model.rollout_buffer.keep
         oracle = scores[ORACLE][kept]
-        record_spearman = {
-            name: float(spearmanr(values[kept], oracle).statistic) for name, values in scores.items() if name != ORACLE
-        }
+        record_spearman = {name: spearman(values[kept], oracle) for name, values in scores.items() if name != ORACLE}
     result = faithfulness(
         model,
         scores,

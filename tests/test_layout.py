@@ -18,6 +18,7 @@ LAYERS = [
         "common.units",
         "common.progress",
         "common.files",
+        "common.stats",
     ],
     ["common.buffers", "common.state", "common.scoring.layers", "common.scoring.update_maps"],
     ["common.round", "common.scoring.engine"],

@@ -197,7 +197,7 @@ def test_record_order_is_the_same_in_dataframe_analysis_and_report(tmp_path):
         assert row["advantage"] == snapshot.arrays["advantage"][row["step"], row["env"]]
     assert list(table["rank"][:5]) == [1, 2, 3, 4, 5]
     # The report's Spearman(I, A) pairs each record's score with its own advantage
-    from sb3_influence.analysis.formation import _spearman
+    from sb3_influence.common.stats import spearman
 
     summary = round_summary([snapshot])
-    assert summary["spearman_advantage"][0] == pytest.approx(_spearman(scores.ravel(), snapshot.arrays["advantage"].ravel()))
+    assert summary["spearman_advantage"][0] == pytest.approx(spearman(scores.ravel(), snapshot.arrays["advantage"].ravel()))

@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 import torch as th
 
-from sb3_influence.analysis.formation import _spearman
 from sb3_influence.analysis.intervention import target_value
 from sb3_influence.common import sb3_compat
 from sb3_influence.common.progress import Progress
 from sb3_influence.common.scoring.unrolled import unrolled_replay
 from sb3_influence.common.state import training_state
+from sb3_influence.common.stats import pearson, spearman
 from sb3_influence.common.targets import Target, as_target
 
 #: How a retrain leaves records out: removed and the rest re-batched, or kept in place with loss weight 0.
@@ -102,6 +102,13 @@ def retrained_target(
             round_.first_permutation = permutation
 
 
+def _measured_round(model: Any, target: str | Target, drop_mode: str) -> tuple[Target, tuple[int, int], np.ndarray]:
+    """Check a measurement's arguments; return its target, the buffer's shape and the flat indices of kept records."""
+    check_drop_mode(model, drop_mode)
+    keep = model.rollout_buffer.keep
+    return as_target(target), keep.shape, np.flatnonzero(keep.reshape(-1))
+
+
 def _order_seeds(rng: np.random.Generator, n_orders: int) -> np.ndarray:
     """The minibatch-order seeds of a measurement: the first draw of its generator."""
     return rng.integers(0, 2**31 - 1, size=n_orders)
@@ -145,13 +152,9 @@ def leave_one_out(
     :param drop_mode: How a retrain leaves the record out (see :func:`retrained_target`).
     :return: Scores of shape ``(n_steps, n_envs)``; 0 for records the buffer does not keep.
     """
-    check_drop_mode(model, drop_mode)
     if isinstance(n_orders, bool) or not isinstance(n_orders, (int, np.integer)) or n_orders < 1:
         raise ValueError(f"n_orders must be an integer of at least 1, got {n_orders!r}")
-    target = as_target(target)
-    buffer = model.rollout_buffer
-    shape = buffer.keep.shape
-    kept = np.flatnonzero(buffer.keep.reshape(-1))
+    target, shape, kept = _measured_round(model, target, drop_mode)
     order_seeds = _order_seeds(np.random.default_rng(seed), n_orders)
     reporter = Progress(n_orders * (1 + len(kept)), unit="retrain", desc="leave-one-out", enabled=progress)
     reference = _retrain(model, np.zeros(shape, dtype=bool), order_seeds, target, drop_mode, reporter)
@@ -164,13 +167,6 @@ def leave_one_out(
         )
     reporter.close()
     return scores.reshape(shape)
-
-
-def _pearson(x: np.ndarray, y: np.ndarray) -> float:
-    x = np.asarray(x, dtype=np.float64) - np.mean(x)
-    y = np.asarray(y, dtype=np.float64) - np.mean(y)
-    denominator = float(np.sqrt((x * x).sum() * (y * y).sum()))
-    return float((x * y).sum() / denominator) if denominator > 0 else float("nan")
 
 
 def faithfulness(
@@ -204,15 +200,11 @@ def faithfulness(
         dropping its bottom/top 5 % in standard deviations of random 5 % drops), ``n_retrains``, ``drop_mode``,
         ``order_seeds`` (the seeds of the minibatch orders, as :func:`retrained_target` takes them).
     """
-    check_drop_mode(model, drop_mode)
     if n_orders < 2:
         raise ValueError(f"n_orders must be at least 2 (the split-half reliability needs two halves), got {n_orders}")
     if n_subsets < 3:
         raise ValueError(f"n_subsets must be at least 3 (a correlation needs points), got {n_subsets}")
-    target = as_target(target)
-    buffer = model.rollout_buffer
-    shape = buffer.keep.shape
-    kept = np.flatnonzero(buffer.keep.reshape(-1))
+    target, shape, kept = _measured_round(model, target, drop_mode)
     rng = np.random.default_rng(seed)
     order_seeds = _order_seeds(rng, n_orders)
     # reference + subsets + random 5 % drops + bottom/top of each score, each under every order
@@ -248,14 +240,14 @@ def faithfulness(
         truth_array = np.array(truths)
         mean_truth = truth_array.mean(axis=1)
         half = n_orders // 2
-        split = _spearman(truth_array[:, :half].mean(axis=1), truth_array[:, half:].mean(axis=1))
+        split = spearman(truth_array[:, :half].mean(axis=1), truth_array[:, half:].mean(axis=1))
         reliability = 2 * split / (1 + split) if split > -1 else float("nan")
         per_size.append(
             {
                 "size": size,
                 "k": k,
-                "lds": {name: _spearman(np.array(p), mean_truth) for name, p in predictions.items()},
-                "pearson": {name: _pearson(np.array(p), mean_truth) for name, p in predictions.items()},
+                "lds": {name: spearman(np.array(p), mean_truth) for name, p in predictions.items()},
+                "pearson": {name: pearson(np.array(p), mean_truth) for name, p in predictions.items()},
                 "reliability": reliability,
                 "ceiling": float(np.sqrt(max(reliability, 0.0))),
                 "truth_std": float(mean_truth.std()),
@@ -266,7 +258,7 @@ def faithfulness(
             rows_prediction[name].extend(predictions[name])
     all_truth = np.array(rows_truth)
     half = n_orders // 2
-    split = _spearman(all_truth[:, :half].mean(axis=1), all_truth[:, half:].mean(axis=1))
+    split = spearman(all_truth[:, :half].mean(axis=1), all_truth[:, half:].mean(axis=1))
     reliability = 2 * split / (1 + split) if split > -1 else float("nan")
 
     # Drop the bottom / top 5 % of each score, against random drops of that size
@@ -289,8 +281,8 @@ def faithfulness(
     reporter.close()
     return {
         "per_size": per_size,
-        "lds": {name: _spearman(np.array(p), all_truth.mean(axis=1)) for name, p in rows_prediction.items()},
-        "pearson": {name: _pearson(np.array(p), all_truth.mean(axis=1)) for name, p in rows_prediction.items()},
+        "lds": {name: spearman(np.array(p), all_truth.mean(axis=1)) for name, p in rows_prediction.items()},
+        "pearson": {name: pearson(np.array(p), all_truth.mean(axis=1)) for name, p in rows_prediction.items()},
         "reliability": reliability,
         "ceiling": float(np.sqrt(max(reliability, 0.0))),
         "extremes": extremes,

@@ -15,6 +15,7 @@ import numpy as np
 import torch as th
 
 from sb3_influence.common.snapshots import load_all
+from sb3_influence.common.stats import spearman
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -122,14 +123,6 @@ def state_embeddings(model: "InfluencePPO", observations: Any, kind: str = "late
     return out.cpu().numpy().astype(np.float64).reshape(out.shape[0], -1)
 
 
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    from scipy.stats import spearmanr
-
-    if x.size < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return float("nan")
-    return float(spearmanr(x, y).statistic)
-
-
 def behaviour_formation(
     snapshots: Any,
     target: str = "action",
@@ -182,12 +175,12 @@ def behaviour_formation(
                 raise ValueError(
                     f"action={action!r} needs Discrete actions, but the records hold actions of shape {taken.shape[1:]}"
                 )
-            row["action_association"] = _spearman(scores, np.where(taken[:, 0] == action, advantages, -advantages))
+            row["action_association"] = spearman(scores, np.where(taken[:, 0] == action, advantages, -advantages))
         rows.append(
             {
                 "round": snapshot.round,
                 "num_timesteps": snapshot.num_timesteps,
-                "association": _spearman(scores, advantages),
+                "association": spearman(scores, advantages),
                 "roughness": graph_roughness(scores, embeddings, n_neighbors=n_neighbors),
                 "scale": float(np.abs(scores).max()) if scores.size else float("nan"),
                 "positive_fraction": float((scores > 0).mean()),

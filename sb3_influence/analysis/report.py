@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sb3_influence.analysis.formation import _spearman
+from sb3_influence.common.stats import spearman
 from sb3_influence.common.command_line import ArgumentParser, one_line
 from sb3_influence.common.progress import Progress
 from sb3_influence.common.snapshots import Snapshot, as_snapshot, load_all
@@ -101,7 +101,7 @@ def round_summary(snapshots: list[Snapshot], target: str | None = None) -> "pd.D
         }
         for name in ("advantage", "training_advantage"):
             values = snapshot.flat(name).astype(np.float64) if name in arrays else None
-            row[f"spearman_{name}"] = _spearman(scores, values) if values is not None else float("nan")
+            row[f"spearman_{name}"] = spearman(scores, values) if values is not None else float("nan")
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -17,6 +17,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from sb3_influence.common.files import make_folder
 from sb3_influence.common.filters import DropRule, resolve_drop_rule, takes_sizes
 from sb3_influence.common.round import InfluenceModel, InfluenceRound, ScoreRequest
+from sb3_influence.common.stats import pearson
 from sb3_influence.common.snapshots import (
     claim_save_dir,
     record_arrays,
@@ -343,7 +344,7 @@ class AttributionCallback(RoundCallback):
             self.logger.record(f"{prefix}/min", float(scores.min()))
             self.logger.record(f"{prefix}/max", float(scores.max()))
             self.logger.record(f"{prefix}/frac_negative", float(np.mean(scores < 0)))
-            self.logger.record(f"{prefix}/corr_advantage", _pearson(scores.ravel(), np.asarray(advantages).ravel()))
+            self.logger.record(f"{prefix}/corr_advantage", pearson(scores, advantages))
             if self.log_histogram:
                 self.logger.record(f"{prefix}/hist", scores.ravel().astype(np.float32), exclude=_TENSORBOARD_ONLY)
 
@@ -404,11 +405,3 @@ def _check_save_dir(save_dir: str) -> str:
             "you can write to"
         )
     return save_dir
-
-
-def _pearson(x: np.ndarray, y: np.ndarray) -> float:
-    """Pearson correlation, NaN when one side is constant."""
-    x = x - x.mean()
-    y = y - y.mean()
-    denominator = float(np.sqrt((x * x).sum() * (y * y).sum()))
-    return float((x * y).sum() / denominator) if denominator > 0 else float("nan")
