@@ -1,15 +1,12 @@
 """Rollout buffers that know their records: ids, a keep mask and the first epoch's minibatches."""
 
 from collections.abc import Generator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
-from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 
 from sb3_influence.common import sb3_compat
-
-_FLAT_FIELDS = ("actions", "values", "log_probs", "advantages", "returns")
 
 
 class InfluenceRolloutBufferMixin:
@@ -30,8 +27,13 @@ class InfluenceRolloutBufferMixin:
     - ``rollout_id`` changes with every rollout, so nothing computed for one rollout is mistaken for another's.
     """
 
+    #: The fields besides the observations that ``get()`` flattens (subclasses add their own, e.g. action masks)
+    flat_fields: ClassVar[tuple[str, ...]] = ("actions", "values", "log_probs", "advantages", "returns")
+
     buffer_size: int
     n_envs: int
+    observations: Any
+    swap_and_flatten: Any
     generator_ready: bool
     full: bool
     keep: np.ndarray
@@ -101,9 +103,28 @@ class InfluenceRolloutBufferMixin:
         minibatch[permutation] = np.arange(self.n_records) // batch_size
         return minibatch
 
+    def reset(self) -> None:
+        """SB3's reset, then every record kept, a new ``rollout_id`` and no first-epoch order yet."""
+        super().reset()  # type: ignore[misc]
+        self._reset_records()
+
     def _prepare_flat(self) -> None:
         """Flatten the stored arrays to record-id order, as ``RolloutBuffer.get`` does on its first call."""
-        raise NotImplementedError
+        if self.generator_ready:
+            return
+        if isinstance(self.observations, dict):
+            for key, obs in self.observations.items():
+                self.observations[key] = self.swap_and_flatten(obs)
+        else:
+            self.observations = self.swap_and_flatten(self.observations)
+        for name in self.flat_fields:
+            self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
+        self.generator_ready = True
+
+    def get(self, batch_size: int | None = None) -> Generator[Any, None, None]:
+        """Minibatches of the kept records, in a fresh random order (the update itself uses ``kept_minibatches``)."""
+        for batch_inds in self.kept_minibatches(np.random.permutation(self.n_records), batch_size):
+            yield self.samples(batch_inds)
 
     def record_action_masks(self, ids: np.ndarray) -> np.ndarray | None:
         """
@@ -181,41 +202,9 @@ class InfluenceRolloutBuffer(InfluenceRolloutBufferMixin, RolloutBuffer):
     The constructor takes the same arguments as ``RolloutBuffer``.
     """
 
-    def reset(self) -> None:
-        super().reset()
-        self._reset_records()
-
-    def _prepare_flat(self) -> None:
-        if not self.generator_ready:
-            for name in ("observations", *_FLAT_FIELDS):
-                self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
-            self.generator_ready = True
-
-    def get(self, batch_size: int | None = None) -> Generator[RolloutBufferSamples, None, None]:
-        """Minibatches of the kept records, in a fresh random order (the update itself uses ``kept_minibatches``)."""
-        for batch_inds in self.kept_minibatches(np.random.permutation(self.n_records), batch_size):
-            yield self.samples(batch_inds)
-
 
 class InfluenceDictRolloutBuffer(InfluenceRolloutBufferMixin, DictRolloutBuffer):
     """
     ``DictRolloutBuffer`` with record ids and a keep mask, see :class:`InfluenceRolloutBufferMixin`.
     The constructor takes the same arguments as ``DictRolloutBuffer``.
     """
-
-    def reset(self) -> None:
-        super().reset()
-        self._reset_records()
-
-    def _prepare_flat(self) -> None:
-        if not self.generator_ready:
-            for key, obs in self.observations.items():
-                self.observations[key] = self.swap_and_flatten(obs)
-            for name in _FLAT_FIELDS:
-                self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
-            self.generator_ready = True
-
-    def get(self, batch_size: int | None = None) -> Generator[DictRolloutBufferSamples, None, None]:  # type: ignore[override]
-        """Minibatches of the kept records, in a fresh random order (the update itself uses ``kept_minibatches``)."""
-        for batch_inds in self.kept_minibatches(np.random.permutation(self.n_records), batch_size):
-            yield self.samples(batch_inds)

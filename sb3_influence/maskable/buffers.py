@@ -1,23 +1,21 @@
 """sb3-contrib's maskable rollout buffers with record ids, a keep mask and per-record action masks."""
 
-from collections.abc import Generator
+from typing import ClassVar
 
 import numpy as np
 from sb3_contrib.common.maskable.buffers import (
     MaskableDictRolloutBuffer,
-    MaskableDictRolloutBufferSamples,
     MaskableRolloutBuffer,
-    MaskableRolloutBufferSamples,
 )
 
-from sb3_influence.common.buffers import _FLAT_FIELDS, InfluenceRolloutBufferMixin
-
-# What MaskableRolloutBuffer.get flattens besides the observations
-_MASKABLE_FLAT_FIELDS = (*_FLAT_FIELDS, "action_masks")
+from sb3_influence.common.buffers import InfluenceRolloutBufferMixin
 
 
 class _MaskableRecordsMixin(InfluenceRolloutBufferMixin):
     """The action masks of the records, as the scoring engine asks for them."""
+
+    # What MaskableRolloutBuffer.get flattens besides the observations
+    flat_fields: ClassVar[tuple[str, ...]] = (*InfluenceRolloutBufferMixin.flat_fields, "action_masks")
 
     action_masks: np.ndarray
     mask_dims: int
@@ -41,21 +39,6 @@ class InfluenceMaskableRolloutBuffer(_MaskableRecordsMixin, MaskableRolloutBuffe
     The constructor takes the same arguments as ``MaskableRolloutBuffer``.
     """
 
-    def reset(self) -> None:
-        super().reset()
-        self._reset_records()
-
-    def _prepare_flat(self) -> None:
-        if not self.generator_ready:
-            for name in ("observations", *_MASKABLE_FLAT_FIELDS):
-                self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
-            self.generator_ready = True
-
-    def get(self, batch_size: int | None = None) -> Generator[MaskableRolloutBufferSamples, None, None]:  # type: ignore[override]
-        """Minibatches of the kept records, in a fresh random order (the update itself uses ``kept_minibatches``)."""
-        for batch_inds in self.kept_minibatches(np.random.permutation(self.n_records), batch_size):
-            yield self.samples(batch_inds)
-
 
 class InfluenceMaskableDictRolloutBuffer(_MaskableRecordsMixin, MaskableDictRolloutBuffer):
     """
@@ -63,20 +46,3 @@ class InfluenceMaskableDictRolloutBuffer(_MaskableRecordsMixin, MaskableDictRoll
     :class:`~sb3_influence.common.buffers.InfluenceRolloutBufferMixin`); its samples carry ``action_masks``.
     The constructor takes the same arguments as ``MaskableDictRolloutBuffer``.
     """
-
-    def reset(self) -> None:
-        super().reset()
-        self._reset_records()
-
-    def _prepare_flat(self) -> None:
-        if not self.generator_ready:
-            for key, obs in self.observations.items():
-                self.observations[key] = self.swap_and_flatten(obs)
-            for name in _MASKABLE_FLAT_FIELDS:
-                self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
-            self.generator_ready = True
-
-    def get(self, batch_size: int | None = None) -> Generator[MaskableDictRolloutBufferSamples, None, None]:  # type: ignore[override]
-        """Minibatches of the kept records, in a fresh random order (the update itself uses ``kept_minibatches``)."""
-        for batch_inds in self.kept_minibatches(np.random.permutation(self.n_records), batch_size):
-            yield self.samples(batch_inds)
