@@ -7,7 +7,13 @@ from test_optimizer_aware import float64_model
 
 from sb3_influence import ReturnTarget
 from sb3_influence.analysis.intervention import target_value
-from sb3_influence.common.scoring.unrolled import _target_value, _Wrapped, unrolled_influence, unrolled_replay
+from sb3_influence.common.scoring.unrolled import (
+    _target_value,
+    _Wrapped,
+    unrolled_influence,
+    unrolled_order_seeds,
+    unrolled_replay,
+)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "sgd-nesterov", "adam", "adamw", "adam-l2", "rmsprop"])
@@ -19,8 +25,8 @@ def test_replay_with_unit_weights_is_the_update(optimizer):
         th.testing.assert_close(theta[name].detach(), param.detach(), rtol=1e-9, atol=1e-12, msg=name)
 
 
-def _f_of_weights(model, weights):
-    theta = unrolled_replay(model, weights)
+def _f_of_weights(model, weights, order_seed=None, clip_smoothing=0.0):
+    theta = unrolled_replay(model, weights, order_seed=order_seed, clip_smoothing=clip_smoothing)
     evaluate = _Wrapped(model, _target_value)
     with model.influence_engine.eval_mode():
         params = {f"policy.{k}": v for k, v in theta.items()}
@@ -43,6 +49,50 @@ def test_hypergradient_matches_finite_differences():
     assert value == pytest.approx(target_value(model), rel=1e-9)
 
 
+def test_smoothed_clip_is_the_hard_clip_in_the_limit_and_bounded_by_tau_log2():
+    model = float64_model("adam", clip_range=0.05)
+    buffer = model.rollout_buffer
+    samples = buffer.samples(np.arange(buffer.n_records))
+    advantages = samples.advantages
+    # Ratios spread across both clip boundaries
+    with th.no_grad():
+        for param in model.policy.parameters():
+            param.add_(0.3 * th.randn_like(param))
+    hard = model.record_losses(samples, advantages, 0.05, None)
+    ratio = th.exp(
+        model.policy.evaluate_actions(samples.observations, samples.actions.long().flatten())[1] - samples.old_log_prob
+    )
+    assert bool(((ratio > 1.05) | (ratio < 0.95)).any()) and bool(((ratio < 1.05) & (ratio > 0.95)).any())
+    for tau in (1e-2, 1e-4):
+        soft = model.record_losses(samples, advantages, 0.05, None, clip_smoothing=tau)
+        gap = (soft - hard).abs()
+        assert float(gap.max()) <= tau * np.log(2) * float(advantages.abs().max()) + 1e-12
+    assert float((soft - hard).abs().max()) < 1e-4 * float(advantages.abs().max())
+
+
+def test_smoothed_and_order_averaged_scores_are_derivatives_of_their_replays():
+    model = float64_model("adam", max_grad_norm=0.3, clip_range=0.05)
+    n = model.rollout_buffer.n_records
+    seeds = unrolled_order_seeds(model, 3)
+    assert seeds[0] is None and len(set(seeds)) == 3 and seeds == unrolled_order_seeds(model, 3)
+    state = np.random.get_state()
+    scores = model.rollout_buffer.to_flat(model.compute_influence(optimizer_aware="unrolled", n_orders=3, clip_smoothing=1e-2))
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state()[1:3], state[1:3], strict=True))
+    for record in (0, 17, n - 1):
+        step = np.zeros(n)
+        step[record] = 1e-4
+        brute = []
+        for seed in seeds:
+            up = _f_of_weights(model, th.as_tensor(1 + step), seed, clip_smoothing=1e-2)
+            down = _f_of_weights(model, th.as_tensor(1 - step), seed, clip_smoothing=1e-2)
+            brute.append((up - down) / 2e-4)
+        assert np.mean(brute) == pytest.approx(scores[record], rel=1e-4, abs=1e-10)
+    # Each option changes the score: the smoothing alone, and the orders alone
+    exact = model.compute_influence(optimizer_aware="unrolled")
+    assert not np.allclose(exact, model.compute_influence(optimizer_aware="unrolled", clip_smoothing=1e-2))
+    assert not np.allclose(exact, model.compute_influence(optimizer_aware="unrolled", n_orders=2))
+
+
 def test_one_small_step_agrees_with_the_in_run_score():
     # One full-batch SGD step with a small learning rate: curvature is negligible, both scores agree to first order
     model = float64_model("sgd", n_epochs=1, batch_size=48, max_grad_norm=1e9, learning_rate=1e-4)
@@ -55,6 +105,16 @@ def test_errors():
     model = float64_model("adam")
     with pytest.raises(ValueError, match="optimizer_aware must be"):
         model.compute_influence(optimizer_aware="yes")
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="n_orders must be"):
+            model.compute_influence(optimizer_aware="unrolled", n_orders=bad)
+    for bad in (-1e-3, float("nan"), float("inf"), "1e-3"):
+        with pytest.raises(ValueError, match="clip_smoothing must be"):
+            model.compute_influence(optimizer_aware="unrolled", clip_smoothing=bad)
+    with pytest.raises(ValueError, match="pass optimizer_aware='unrolled'"):
+        model.compute_influence(optimizer_aware=True, n_orders=2)
+    with pytest.raises(ValueError, match="pass optimizer_aware='unrolled'"):
+        model.compute_influence(clip_smoothing=1e-3)
     model.target_kl = 0.01
     with pytest.raises(ValueError, match="target_kl"):
         unrolled_influence(model, ReturnTarget(), 64)

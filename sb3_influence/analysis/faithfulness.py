@@ -91,7 +91,7 @@ def retrained_target(
         try:
             if drop_mode == "zero-weight":
                 weights = th.as_tensor(~buffer.to_flat(drop), dtype=th.float64)
-                theta = unrolled_replay(model, weights, numpy_rng=np.random.get_state())
+                theta = unrolled_replay(model, weights, order_seed=order_seed)
                 with th.no_grad():
                     for name, param in model.policy.named_parameters():
                         param.copy_(theta[name])

@@ -319,6 +319,8 @@ class InfluenceAlgorithm:
         optimizer_aware: bool | str = False,
         target_gradient: str = "fixed",
         unit: str = "record",
+        n_orders: int = 1,
+        clip_smoothing: float = 0.0,
     ) -> np.ndarray:
         """
         Influence of every record of the round the buffer holds on ``target``:
@@ -353,12 +355,20 @@ class InfluenceAlgorithm:
             (see :mod:`sb3_influence.common.units`), the sum of its records' scores; map them back to the records
             with ``rollout_buffer.trajectory_ids()`` (``scores[model.rollout_buffer.trajectory_ids()]`` is flat by
             record id).
+        :param n_orders: With ``optimizer_aware="unrolled"``: average the derivative over this many minibatch orders,
+            the real update's first (see :func:`~sb3_influence.common.scoring.unrolled.unrolled_influence`); costs
+            ``n_orders`` replays.
+        :param clip_smoothing: With ``optimizer_aware="unrolled"``: soften PPO's ratio clip in the replay to a softplus
+            of this width (1e-3 is the measured choice, see ``docs/faithfulness.md``); 0: the exact derivative.
         :return: Float64 array of shape ``(n_steps, n_envs)``; ``[step, env]`` is the record at that position. With
             ``unit="trajectory"``: shape ``(n_trajectories,)``, indexed by trajectory id.
         """
         check_unit(unit, "compute_influence")
+        _check_unrolled_options(optimizer_aware, n_orders, clip_smoothing)
         if unit == "trajectory":
-            records = self.compute_influence(target, batch_size, cache, checkpoints, optimizer_aware, target_gradient)
+            records = self.compute_influence(
+                target, batch_size, cache, checkpoints, optimizer_aware, target_gradient, "record", n_orders, clip_smoothing
+            )
             return trajectory_sums(self.rollout_buffer.to_flat(records), self.rollout_buffer.trajectory_ids())
         if self.rollout_buffer is None or not self.rollout_buffer.full:
             raise RuntimeError(
@@ -379,6 +389,10 @@ class InfluenceAlgorithm:
             raise ValueError(f"optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}")
         self.check_optimizer_aware(optimizer_aware)
         request = ScoreRequest(as_target(target), checkpoints, optimizer_aware=optimizer_aware)
+        if n_orders != 1 or clip_smoothing:
+            # Not cached with the exact unrolled scores: a different quantity
+            flat = unrolled_influence(self, request.target, int(batch_size), int(n_orders), float(clip_smoothing))
+            return self.rollout_buffer.to_records(flat)
         if target_gradient == "step":
             # Not cached with the fixed-gradient scores: a different quantity
             return self._compute(request, self.current_round(), int(batch_size), target_gradient)
@@ -563,4 +577,17 @@ def _check_observation_space(space: spaces.Space, algo: str) -> None:
         raise ValueError(
             f"{algo} does not support the observation space {space}: use Box, Discrete, MultiDiscrete, "
             "MultiBinary or Dict (flatten Tuple/Sequence/Graph spaces with a wrapper first)"
+        )
+
+
+def _check_unrolled_options(optimizer_aware: bool | str, n_orders: int, clip_smoothing: float) -> None:
+    """``n_orders`` and ``clip_smoothing`` of ``compute_influence``: valid, and only with the unrolled scorer."""
+    if isinstance(n_orders, bool) or not isinstance(n_orders, (int, np.integer)) or n_orders < 1:
+        raise ValueError(f"n_orders must be an integer of at least 1 (minibatch orders averaged), got {n_orders!r}")
+    if isinstance(clip_smoothing, bool) or not isinstance(clip_smoothing, (int, float)) or not 0 <= clip_smoothing < np.inf:
+        raise ValueError(f"clip_smoothing must be a float >= 0 (0: PPO's hard ratio clip), got {clip_smoothing!r}")
+    if (n_orders != 1 or clip_smoothing) and optimizer_aware != "unrolled":
+        raise ValueError(
+            "n_orders and clip_smoothing change the unrolled scorer only: pass optimizer_aware='unrolled' "
+            f"(got optimizer_aware={optimizer_aware!r})"
         )

@@ -195,7 +195,14 @@ class ClippedSurrogateUpdate:
         if clip_range_vf is not None:
             self.logger.record("train/clip_range_vf", clip_range_vf)
 
-    def record_losses(self, samples: Any, advantages: th.Tensor, clip_range: float, clip_range_vf: float | None) -> th.Tensor:
+    def record_losses(
+        self,
+        samples: Any,
+        advantages: th.Tensor,
+        clip_range: float,
+        clip_range_vf: float | None,
+        clip_smoothing: float = 0.0,
+    ) -> th.Tensor:
         """
         The per-record terms of :meth:`update`'s loss at the current parameters: for each record of ``samples``,
         ``−min(Â·r, Â·clip(r)) + ent_coef · (−entropy) + vf_coef · (R − V_pred)²``, so that the update's loss is
@@ -206,6 +213,10 @@ class ClippedSurrogateUpdate:
         :param advantages: ``Â`` as the update used them (normalised in the minibatch).
         :param clip_range: The ratio clip ε.
         :param clip_range_vf: The value clip, or ``None``.
+        :param clip_smoothing: ``τ > 0`` replaces the ratio clip's kink by a softplus of width τ:
+            ``min(r, 1+ε) ≈ 1+ε − τ·softplus((1+ε−r)/τ)`` for ``Â > 0`` and ``max(r, 1−ε) ≈ 1−ε + τ·softplus((r−(1−ε))/τ)``
+            for ``Â < 0`` (values within ``τ·log 2`` of the clipped ones). Only the unrolled scorer uses it; 0 is PPO's
+            loss.
         :return: Shape ``(len(samples.actions),)``.
         """
         actions = samples.actions
@@ -214,7 +225,14 @@ class ClippedSurrogateUpdate:
         values, log_prob, entropy = self._evaluate_actions(samples, actions)
         values = values.flatten()
         ratio = th.exp(log_prob - samples.old_log_prob)
-        policy_term = -th.min(advantages * ratio, advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range))
+        if clip_smoothing > 0:
+            softplus = th.nn.functional.softplus
+            upper = (1 + clip_range) - clip_smoothing * softplus((1 + clip_range - ratio) / clip_smoothing)
+            lower = (1 - clip_range) + clip_smoothing * softplus((ratio - (1 - clip_range)) / clip_smoothing)
+            # −min(Â·r, Â·clip(r)) is −Â·min(r, 1+ε) for Â > 0 and −Â·max(r, 1−ε) for Â < 0
+            policy_term = -advantages * th.where(advantages > 0, upper, lower)
+        else:
+            policy_term = -th.min(advantages * ratio, advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range))
         if clip_range_vf is None:
             values_pred = values
         else:

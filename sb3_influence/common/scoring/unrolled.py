@@ -46,9 +46,9 @@ class _Wrapped(nn.Module):
 
 
 def _record_losses(
-    model: Any, samples: Any, advantages: th.Tensor, clip_range: float, clip_range_vf: float | None
+    model: Any, samples: Any, advantages: th.Tensor, clip_range: float, clip_range_vf: float | None, clip_smoothing: float
 ) -> th.Tensor:
-    return model.record_losses(samples, advantages, clip_range, clip_range_vf)
+    return model.record_losses(samples, advantages, clip_range, clip_range_vf, clip_smoothing)
 
 
 def _target_value(model: Any, target: Target, batch_size: int) -> th.Tensor:
@@ -117,7 +117,9 @@ def _initial_state(optimizer: th.optim.Optimizer, param: nn.Parameter) -> dict[s
     return state
 
 
-def unrolled_replay(model: Any, weights: th.Tensor | None = None, numpy_rng: Any = None) -> dict[str, th.Tensor]:
+def unrolled_replay(
+    model: Any, weights: th.Tensor | None = None, order_seed: int | None = None, clip_smoothing: float = 0.0
+) -> dict[str, th.Tensor]:
     """
     Replay the current round's update from θ(k), differentiably, with record weights; restore the model after.
 
@@ -125,8 +127,10 @@ def unrolled_replay(model: Any, weights: th.Tensor | None = None, numpy_rng: Any
     :param weights: Per-record loss weights, flat by record id (``None``: all ones). When they require grad,
         gradients flow back to them and the whole update's graph is kept; otherwise each step is detached (a plain
         weighted retrain, e.g. with zeros for dropped records that stay in their minibatches).
-    :param numpy_rng: numpy's global RNG state (``np.random.get_state()``) that the later epochs' minibatch orders are
-        drawn from; ``None``: the round's start state, i.e. the orders of the real update.
+    :param order_seed: ``None``: the real update's minibatch orders (the round's first permutation, then numpy's
+        global RNG as the round found it). A seed: every epoch's order drawn afresh after ``np.random.seed(order_seed)``,
+        the first epoch's too (as :func:`~sb3_influence.analysis.faithfulness.retrained_target` retrains).
+    :param clip_smoothing: Width τ of the softened ratio clip (see ``record_losses``); 0: PPO's loss, the real update.
     :return: The final parameters θ_J by name (graph attached when ``weights`` requires grad).
     """
     if model.target_kl is not None:
@@ -140,8 +144,10 @@ def unrolled_replay(model: Any, weights: th.Tensor | None = None, numpy_rng: Any
     differentiable = weights.requires_grad
     with training_state(model):
         round_.start_state.restore(model, keep=False)
-        if numpy_rng is not None:
-            np.random.set_state(numpy_rng)
+        first_permutation = round_.first_permutation
+        if order_seed is not None:
+            np.random.seed(order_seed)
+            first_permutation = np.random.permutation(buffer.n_records)
         progress = sb3_compat.progress_remaining(model)
         lr = float(model.lr_schedule(progress))
         clip_range = model.clip_range(progress)
@@ -153,13 +159,13 @@ def unrolled_replay(model: Any, weights: th.Tensor | None = None, numpy_rng: Any
         losses = _Wrapped(model, _record_losses)
         model.policy.set_training_mode(True)
         for epoch in range(model.n_epochs):
-            order = round_.first_permutation if epoch == 0 else np.random.permutation(buffer.n_records)
+            order = first_permutation if epoch == 0 else np.random.permutation(buffer.n_records)
             for ids in buffer.kept_minibatches(order, model.batch_size):
                 samples = buffer.samples(ids)
                 advantages = samples.advantages
                 if model.normalize_advantage and len(advantages) > 1:
                     advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-                arguments = (samples, advantages, clip_range, clip_range_vf)
+                arguments = (samples, advantages, clip_range, clip_range_vf, clip_smoothing)
                 per_record = th.func.functional_call(
                     losses, {f"policy.{k}": v for k, v in theta.items()}, arguments, tie_weights=False
                 )
@@ -181,23 +187,50 @@ def unrolled_replay(model: Any, weights: th.Tensor | None = None, numpy_rng: Any
     return theta
 
 
-def unrolled_influence(model: Any, target: Target, batch_size: int) -> np.ndarray:
+def unrolled_order_seeds(model: Any, n_orders: int) -> list[int | None]:
     """
-    ``∂f(θ_J)/∂w_i`` for every record of the current round (flat, by record id).
+    The minibatch orders :func:`unrolled_influence` averages over: ``None`` (the real update's), then
+    ``n_orders − 1`` seeds drawn from a generator seeded with the model's seed and the round's ``rollout_id``
+    (the same round gives the same orders; numpy's global RNG is not touched).
+
+    :param model: An ``InfluencePPO`` whose buffer holds the round.
+    :param n_orders: How many orders, at least 1.
+    :return: ``[None, seed, ...]`` of length ``n_orders``.
+    """
+    rng = np.random.default_rng([int(model.seed or 0), int(model.rollout_buffer.rollout_id)])
+    return [None, *(int(seed) for seed in rng.integers(0, 2**31 - 1, size=n_orders - 1))]
+
+
+def unrolled_influence(
+    model: Any, target: Target, batch_size: int, n_orders: int = 1, clip_smoothing: float = 0.0
+) -> np.ndarray:
+    """
+    ``∂f(θ_J)/∂w_i`` for every record of the current round (flat, by record id), averaged over minibatch orders.
+
+    With ``n_orders=1`` and ``clip_smoothing=0`` this is the exact derivative of the real update. Under Adam the
+    effect of removing one record is not that derivative's: records whose ratio sits near the clip boundary
+    switch in or out of the clip when θ moves, a jump the derivative of the hard clip never sees, and where they
+    switch depends on the minibatch order. A softened clip (``clip_smoothing``, τ ≈ 1e-3) turns the jumps into a
+    density the derivative sees, and averaging over orders (``n_orders``) estimates the expected effect of
+    removing the record, as IIF's re-batched update meets it. ``docs/faithfulness.md`` measures both.
 
     :param model: An ``InfluencePPO`` whose buffer holds the round.
     :param target: The target f.
     :param batch_size: Records per chunk when evaluating f.
+    :param n_orders: Minibatch orders averaged over (:func:`unrolled_order_seeds`): the real update's, then others.
+    :param clip_smoothing: Width τ of the softened ratio clip in the replay (0: PPO's hard clip).
     :return: Float64 scores, flat by record id (zero for dropped records).
     """
-    weights = th.ones(model.rollout_buffer.n_records, dtype=th.float64, requires_grad=True)
-    theta = unrolled_replay(model, weights)
     evaluate = _Wrapped(model, _target_value)
-    with model.influence_engine.eval_mode():
-        value = th.func.functional_call(
-            evaluate, {f"policy.{k}": v for k, v in theta.items()}, (target, batch_size), tie_weights=False
-        )
-        (gradient,) = th.autograd.grad(value, weights, allow_unused=True)
-    if gradient is None:
-        return np.zeros(model.rollout_buffer.n_records)
-    return gradient.detach().cpu().numpy().astype(np.float64)
+    total = np.zeros(model.rollout_buffer.n_records)
+    for order_seed in unrolled_order_seeds(model, n_orders):
+        weights = th.ones(model.rollout_buffer.n_records, dtype=th.float64, requires_grad=True)
+        theta = unrolled_replay(model, weights, order_seed=order_seed, clip_smoothing=clip_smoothing)
+        with model.influence_engine.eval_mode():
+            value = th.func.functional_call(
+                evaluate, {f"policy.{k}": v for k, v in theta.items()}, (target, batch_size), tie_weights=False
+            )
+            (gradient,) = th.autograd.grad(value, weights, allow_unused=True)
+        if gradient is not None:
+            total += gradient.detach().cpu().numpy().astype(np.float64)
+    return total / n_orders
