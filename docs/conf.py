@@ -27,7 +27,7 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 myst_enable_extensions = ["dollarmath", "colon_fence"]
 myst_heading_anchors = 3
 master_doc = "index"
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "faithfulness_table.md", "guide/generated"]
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "faithfulness_table.md", "record_effects_table.md", "guide/generated"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
