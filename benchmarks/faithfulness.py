@@ -8,15 +8,19 @@ collects round ``round``'s rollout and scores it with every scorer:
 - ``multi``: the paper's multi-checkpoint (TracIn-style) sum over the update's steps;
 - ``aware``: optimizer-aware in-run influence, ∇f at θ(k);
 - ``aware_step``: the same with ∇f recomputed at every step;
-- ``unrolled``: the exact first-order effect through the whole update (a hypergradient, curvature included).
+- ``unrolled``: the exact first-order effect through the whole update (a hypergradient, curvature included);
+- ``smoothed``: the unrolled derivative with PPO's ratio clip softened (``clip_smoothing=1e-3``) and averaged over
+  4 minibatch orders (``n_orders=4``): what ``benchmarks/record_effects.py`` found to follow single-record effects.
 
 :func:`sb3_influence.analysis.faithfulness.faithfulness` then retrains the round without random subsets (1 %, 5 %,
 20 % of the records) under several minibatch orders and reports LDS, Pearson, the truth's reliability and the
 bottom/top-5 % drop effects, with the records left out either removed and the rest re-batched (``--drop-modes
 remove``, what IIF does) or kept in place with loss weight 0 (``zero-weight``, the counterfactual that first-order
 scores describe). Each finished cell writes ``benchmarks/results/faithfulness/<cell>.json``; finished
-cells are skipped on a re-run, so the grid grows across sessions. ``--summary`` writes ``docs/faithfulness.md``'s
-table and plot from whatever result files exist.
+cells are skipped on a re-run, so the grid grows across sessions. ``--tag`` measures a finished cell again under
+another file name (e.g. once a scorer is added); the measurement is deterministic, so the summary merges the files
+of one cell when their common scorers agree. ``--summary`` writes ``docs/faithfulness.md``'s table and plot from
+whatever result files exist.
 
     nice -n 19 python benchmarks/faithfulness.py --envs CartPole --optimizers sgd adam adam1e-3 --rounds 3 10 --seeds 0
     nice -n 19 python benchmarks/faithfulness.py --envs CartPole --optimizers adam --drop-modes zero-weight
@@ -53,7 +57,7 @@ OPTIMIZERS = {
     # SB3's defaults without the gradient-norm clip: isolates what the clip does to the scores
     "adam-noclip": dict(max_grad_norm=1e10),
 }
-SCORERS = ("single", "multi", "aware", "aware_step", "unrolled")
+SCORERS = ("single", "multi", "aware", "aware_step", "unrolled", "smoothed")
 #: The measured leave-one-out effects, scored like a scorer (``--loo``): an oracle, not a scorer
 ORACLE = "loo"
 
@@ -96,6 +100,7 @@ def score(model: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         "aware": lambda: model.compute_influence(optimizer_aware=True),
         "aware_step": lambda: model.compute_influence(optimizer_aware=True, target_gradient="step"),
         "unrolled": lambda: model.compute_influence(optimizer_aware="unrolled"),
+        "smoothed": lambda: model.compute_influence(optimizer_aware="unrolled", clip_smoothing=1e-3, n_orders=4),
     }
     scores, seconds = {}, {}
     for name, call in calls.items():
@@ -108,7 +113,11 @@ def score(model: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
 def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Namespace, drop_mode: str = "remove") -> Path:
     from sb3_influence.analysis.faithfulness import faithfulness, leave_one_out
 
-    mode = ("" if drop_mode == "remove" else f"_{drop_mode}") + ("_loo" if args.loo else "")
+    mode = (
+        ("" if drop_mode == "remove" else f"_{drop_mode}")
+        + ("_loo" if args.loo else "")
+        + (f"_{args.tag}" if args.tag else "")
+    )
     path = RESULTS / f"{env}_{optimizer}_r{rounds}_s{seed}_n{args.subsets}{mode}.json"
     if path.exists():
         print(f"skip {path.name} (done)", flush=True)
@@ -159,6 +168,37 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
     return path
 
 
+def _merge_cells(rows: list[dict[str, Any]], cell: Any) -> list[dict[str, Any]]:
+    """
+    One row per cell. Files of one cell (measured again with ``--loo`` or ``--tag``: same subsets, same orders) are
+    merged into one row holding every scorer, provided the scorers they share have the same per-size LDS;
+    otherwise the later file (in name order) wins and a line says so.
+    """
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in rows:
+        key = cell(row)
+        if key not in merged:
+            merged[key] = row
+            continue
+        first = merged[key]
+        shared = set(first["per_size"][0]["lds"]) & set(row["per_size"][0]["lds"])
+        agree = all(
+            abs(a["lds"][name] - b["lds"][name]) < 1e-9
+            for a, b in zip(first["per_size"], row["per_size"], strict=True)
+            for name in shared
+        )
+        if not agree:
+            print(f"cell {key}: files disagree on {sorted(shared)}; the later file is shown")
+            merged[key] = row
+            continue
+        for a, b in zip(first["per_size"], row["per_size"], strict=True):
+            for field in ("lds", "pearson"):
+                a[field] = {**a[field], **b[field]}
+        for field in ("lds", "pearson", "extremes", "record_spearman_vs_loo"):
+            first[field] = {**first.get(field, {}), **row.get(field, {})}
+    return list(merged.values())
+
+
 def summary(out: Path) -> None:
     """``docs/faithfulness_table.md`` and ``docs/_static/faithfulness.png`` from the result files."""
     rows = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
@@ -169,8 +209,7 @@ def summary(out: Path) -> None:
     def cell(row: dict[str, Any]) -> tuple[Any, ...]:
         return (row["env"], row["optimizer"], row["round"], row["seed"], row.get("drop_mode", "remove"), row["n_subsets"])
 
-    with_oracle = {cell(row) for row in rows if ORACLE in row["lds"]}
-    rows = [row for row in rows if ORACLE in row["lds"] or cell(row) not in with_oracle]
+    rows = _merge_cells(rows, cell)
     for row in rows:
         # LDS per subset size (pooling sizes would reward predicting the size), then averaged over the sizes
         sizes = row["per_size"]
@@ -185,7 +224,9 @@ def summary(out: Path) -> None:
     for row in rows:
         lds = [f"{row['lds'][name]:.2f}" if name in row["lds"] else "—" for name in SCORERS]
         # The best of the optimizer-aware scorers in this cell
-        best = max((name for name in ("aware", "aware_step", "unrolled") if name in row["lds"]), key=row["lds"].get)
+        best = max(
+            (name for name in ("aware", "aware_step", "unrolled", "smoothed") if name in row["lds"]), key=row["lds"].get
+        )
         ratio = row["lds"][best] / row["ceiling"] if row["ceiling"] > 0 else float("nan")
         extremes = row["extremes"]
         oracle = f"{row['lds'][ORACLE]:.2f}" if ORACLE in row["lds"] else "—"
@@ -213,7 +254,10 @@ def summary(out: Path) -> None:
     ]
     x = np.arange(len(rows))
     for offset, name in enumerate(SCORERS):
-        ax.bar(x + (offset - 2) * 0.16, [r["lds"].get(name, np.nan) for r in rows], width=0.16, label=name)
+        width = 0.8 / len(SCORERS)
+        ax.bar(
+            x + (offset - (len(SCORERS) - 1) / 2) * width, [r["lds"].get(name, np.nan) for r in rows], width=width, label=name
+        )
     ax.plot(x, [r["ceiling"] for r in rows], "k_", markersize=14, label="ceiling")
     ax.plot(x, [r["lds"].get(ORACLE, np.nan) for r in rows], "kx", markersize=6, label="loo (additive oracle)")
     ax.set_xticks(x, labels, fontsize=6)
@@ -259,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         help="also measure every record's leave-one-out effect (one retrain per record and order) and score with it: "
         "the LDS an additive score reaches knowing each record's true effect alone",
     )
+    parser.add_argument("--tag", default="", help="measure cells again under file names ending in _TAG")
     parser.add_argument("--summary", action="store_true", help="only write the docs table and plot from the result files")
     args = parser.parse_args(argv)
     if args.summary:
