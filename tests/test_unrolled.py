@@ -132,3 +132,28 @@ def test_callbacks_take_the_unrolled_score(tmp_path):
     assert len(frame) == 128 and not frame["keep"].all()
     with pytest.raises(ValueError, match="optimizer_aware must be"):
         AttributionCallback(optimizer_aware="yes")
+
+
+def test_iif_ranks_by_the_smoothed_order_averaged_score():
+    from sb3_influence import IIFCallback, InfluencePPO
+    from sb3_influence.common.filters import DROP_RULES
+
+    model = InfluencePPO(
+        "MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2, seed=0, policy_kwargs=dict(net_arch=[8])
+    )
+    options = dict(optimizer_aware="unrolled", n_orders=2, clip_smoothing=1e-2)
+    iif = IIFCallback(fraction=0.5, **options)
+    assert iif.settings["n_orders"] == 2 and iif.settings["clip_smoothing"] == 1e-2
+    model.learn(64, callback=iif)
+    # After learn(), compute_influence scores the last round at θ(k); with every record kept again (the replay walks
+    # the kept ones), these are the scores the filter ranked
+    model.rollout_buffer.keep[...] = True
+    scores = model.rollout_buffer.to_flat(model.compute_influence(**options))
+    exact = model.rollout_buffer.to_flat(model.compute_influence(optimizer_aware="unrolled"))
+    assert not np.allclose(scores, exact)
+    expected = DROP_RULES["neg-bottom"](scores, 0.5, np.random.default_rng(0))
+    np.testing.assert_array_equal(model.rollout_buffer.to_flat(iif.last_drop), expected)
+    with pytest.raises(ValueError, match="IIFCallback: n_orders and clip_smoothing change the unrolled scorer only"):
+        IIFCallback(optimizer_aware=True, clip_smoothing=1e-3)
+    with pytest.raises(ValueError, match="IIFCallback: n_orders must be"):
+        IIFCallback(optimizer_aware="unrolled", n_orders=0)

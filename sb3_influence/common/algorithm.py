@@ -25,7 +25,14 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_influence.common import sb3_compat
 from sb3_influence.common.buffers import InfluenceDictRolloutBuffer, InfluenceRolloutBuffer, InfluenceRolloutBufferMixin
-from sb3_influence.common.round import CHECKPOINTS, InfluenceRound, RoundParticipant, ScoreRequest, StepHook
+from sb3_influence.common.round import (
+    CHECKPOINTS,
+    InfluenceRound,
+    RoundParticipant,
+    ScoreRequest,
+    StepHook,
+    check_unrolled_options,
+)
 from sb3_influence.common.scoring import ENGINE_MODES, InfluenceEngine, LayerScorer
 from sb3_influence.common.scoring.multi import MultiCheckpointScorer
 from sb3_influence.common.scoring.optimizer_aware import OptimizerAwareScorer
@@ -364,7 +371,7 @@ class InfluenceAlgorithm:
             ``unit="trajectory"``: shape ``(n_trajectories,)``, indexed by trajectory id.
         """
         check_unit(unit, "compute_influence")
-        _check_unrolled_options(optimizer_aware, n_orders, clip_smoothing)
+        check_unrolled_options(optimizer_aware, n_orders, clip_smoothing)
         if unit == "trajectory":
             records = self.compute_influence(
                 target, batch_size, cache, checkpoints, optimizer_aware, target_gradient, "record", n_orders, clip_smoothing
@@ -388,11 +395,9 @@ class InfluenceAlgorithm:
         if optimizer_aware not in (False, True, "unrolled"):
             raise ValueError(f"optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}")
         self.check_optimizer_aware(optimizer_aware)
-        request = ScoreRequest(as_target(target), checkpoints, optimizer_aware=optimizer_aware)
-        if n_orders != 1 or clip_smoothing:
-            # Not cached with the exact unrolled scores: a different quantity
-            flat = unrolled_influence(self, request.target, int(batch_size), int(n_orders), float(clip_smoothing))
-            return self.rollout_buffer.to_records(flat)
+        request = ScoreRequest(
+            as_target(target), checkpoints, optimizer_aware, n_orders=int(n_orders), clip_smoothing=float(clip_smoothing)
+        )
         if target_gradient == "step":
             # Not cached with the fixed-gradient scores: a different quantity
             return self._compute(request, self.current_round(), int(batch_size), target_gradient)
@@ -424,7 +429,8 @@ class InfluenceAlgorithm:
                 flat = self._influence_engine.influence(request.target, self._flat_training_advantages(round_), batch_size)
             return self.rollout_buffer.to_records(flat)
         if request.optimizer_aware == "unrolled":
-            return self.rollout_buffer.to_records(unrolled_influence(self, request.target, batch_size))
+            flat = unrolled_influence(self, request.target, batch_size, request.n_orders, request.clip_smoothing)
+            return self.rollout_buffer.to_records(flat)
         scorer = self._multi_step_scorer(request, batch_size, target_gradient)
         self.replay_update([scorer])
         return self.rollout_buffer.to_records(scorer.scores)
@@ -577,17 +583,4 @@ def _check_observation_space(space: spaces.Space, algo: str) -> None:
         raise ValueError(
             f"{algo} does not support the observation space {space}: use Box, Discrete, MultiDiscrete, "
             "MultiBinary or Dict (flatten Tuple/Sequence/Graph spaces with a wrapper first)"
-        )
-
-
-def _check_unrolled_options(optimizer_aware: bool | str, n_orders: int, clip_smoothing: float) -> None:
-    """``n_orders`` and ``clip_smoothing`` of ``compute_influence``: valid, and only with the unrolled scorer."""
-    if isinstance(n_orders, bool) or not isinstance(n_orders, (int, np.integer)) or n_orders < 1:
-        raise ValueError(f"n_orders must be an integer of at least 1 (minibatch orders averaged), got {n_orders!r}")
-    if isinstance(clip_smoothing, bool) or not isinstance(clip_smoothing, (int, float)) or not 0 <= clip_smoothing < np.inf:
-        raise ValueError(f"clip_smoothing must be a float >= 0 (0: PPO's hard ratio clip), got {clip_smoothing!r}")
-    if (n_orders != 1 or clip_smoothing) and optimizer_aware != "unrolled":
-        raise ValueError(
-            "n_orders and clip_smoothing change the unrolled scorer only: pass optimizer_aware='unrolled' "
-            f"(got optimizer_aware={optimizer_aware!r})"
         )

@@ -82,7 +82,8 @@ class DTVLooCallback(IIFCallback):
         """What this filter does, as recorded in snapshots: fraction, rule, scorer and unit."""
         settings = dict(super().settings)
         settings.pop("target")
-        settings.pop("optimizer_aware")
+        for scorer_option in ("optimizer_aware", "n_orders", "clip_smoothing"):
+            settings.pop(scorer_option)
         settings["scorer"] = "dtv-loo"
         return settings
 

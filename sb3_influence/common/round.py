@@ -144,12 +144,16 @@ class ScoreRequest:
         :mod:`sb3_influence.common.scoring.unrolled`); needs ``checkpoints="multi"``.
     :param in_run: Compute it during the round's real update (no replay), so it is ready only after the update:
         participants read it in ``after_update``. Only for optimizer-aware requests.
+    :param n_orders: With ``optimizer_aware="unrolled"``: minibatch orders the derivative is averaged over.
+    :param clip_smoothing: With ``optimizer_aware="unrolled"``: width of the softened ratio clip (0: PPO's own).
     """
 
     target: Target
     checkpoints: str = "single"
     optimizer_aware: bool | str = False
     in_run: bool = False
+    n_orders: int = 1
+    clip_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         if self.optimizer_aware not in (False, True, "unrolled"):
@@ -160,15 +164,30 @@ class ScoreRequest:
             raise ValueError("optimizer_aware=True scores every optimiser step of the update: use checkpoints='multi'")
         if self.in_run and self.optimizer_aware is not True:
             raise ValueError("in_run=True is only for optimizer_aware=True requests (the unrolled score needs a replay)")
+        check_unrolled_options(self.optimizer_aware, self.n_orders, self.clip_smoothing)
 
     @property
-    def key(self) -> tuple[Any, str, bool | str]:
+    def key(self) -> tuple[Any, ...]:
         """Requests with equal keys are scored once per round (in-run and replayed scores are the same numbers)."""
+        options = (self.checkpoints, self.optimizer_aware, self.n_orders, self.clip_smoothing)
         try:
             hash(self.target)
         except TypeError:
-            return (("id", id(self.target)), self.checkpoints, self.optimizer_aware)
-        return (("target", self.target), self.checkpoints, self.optimizer_aware)
+            return (("id", id(self.target)), *options)
+        return (("target", self.target), *options)
+
+
+def check_unrolled_options(optimizer_aware: bool | str, n_orders: int, clip_smoothing: float) -> None:
+    """``n_orders`` and ``clip_smoothing``: valid, and only with the unrolled scorer (``ValueError`` naming the fix)."""
+    if isinstance(n_orders, bool) or not isinstance(n_orders, (int, np.integer)) or n_orders < 1:
+        raise ValueError(f"n_orders must be an integer of at least 1 (minibatch orders averaged), got {n_orders!r}")
+    if isinstance(clip_smoothing, bool) or not isinstance(clip_smoothing, (int, float)) or not 0 <= clip_smoothing < np.inf:
+        raise ValueError(f"clip_smoothing must be a float >= 0 (0: PPO's hard ratio clip), got {clip_smoothing!r}")
+    if (n_orders != 1 or clip_smoothing) and optimizer_aware != "unrolled":
+        raise ValueError(
+            "n_orders and clip_smoothing change the unrolled scorer only: pass optimizer_aware='unrolled' "
+            f"(got optimizer_aware={optimizer_aware!r})"
+        )
 
 
 @dataclass
