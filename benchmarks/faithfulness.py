@@ -10,7 +10,8 @@ collects round ``round``'s rollout and scores it with every scorer:
 - ``aware_step``: the same with ∇f recomputed at every step;
 - ``unrolled``: the exact first-order effect through the whole update (a hypergradient, curvature included);
 - ``smoothed``: the unrolled derivative with PPO's ratio clip softened (``clip_smoothing=1e-3``) and averaged over
-  4 minibatch orders (``n_orders=4``): what ``benchmarks/record_effects.py`` found to follow single-record effects.
+  4 minibatch orders (``n_orders=4``): what ``benchmarks/record_effects.py`` found to follow single-record effects;
+- ``smoothed_1e-2``, ``smoothed_3e-2``: the same with a wider softening (``clip_smoothing=1e-2``, ``3e-2``).
 
 :func:`sb3_influence.analysis.faithfulness.faithfulness` then retrains the round without random subsets (1 %, 5 %,
 20 % of the records) under several minibatch orders and reports LDS, Pearson, the truth's reliability and the
@@ -32,6 +33,7 @@ import json
 import os
 import platform
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +59,9 @@ OPTIMIZERS = {
     # SB3's defaults without the gradient-norm clip: isolates what the clip does to the scores
     "adam-noclip": dict(max_grad_norm=1e10),
 }
-SCORERS = ("single", "multi", "aware", "aware_step", "unrolled", "smoothed")
+#: Widths of the softened ratio clip of the ``smoothed`` scorers (each averaged over 4 minibatch orders)
+SMOOTHING = {"smoothed": 1e-3, "smoothed_1e-2": 1e-2, "smoothed_3e-2": 3e-2}
+SCORERS = ("single", "multi", "aware", "aware_step", "unrolled", *SMOOTHING)
 #: The measured leave-one-out effects, scored like a scorer (``--loo``): an oracle, not a scorer
 ORACLE = "loo"
 
@@ -100,8 +104,9 @@ def score(model: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         "aware": lambda: model.compute_influence(optimizer_aware=True),
         "aware_step": lambda: model.compute_influence(optimizer_aware=True, target_gradient="step"),
         "unrolled": lambda: model.compute_influence(optimizer_aware="unrolled"),
-        "smoothed": lambda: model.compute_influence(optimizer_aware="unrolled", clip_smoothing=1e-3, n_orders=4),
     }
+    for name, width in SMOOTHING.items():
+        calls[name] = partial(model.compute_influence, optimizer_aware="unrolled", clip_smoothing=width, n_orders=4)
     scores, seconds = {}, {}
     for name, call in calls.items():
         start = time.process_time()
@@ -171,8 +176,8 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
 def _merge_cells(rows: list[dict[str, Any]], cell: Any) -> list[dict[str, Any]]:
     """
     One row per cell. Files of one cell (measured again with ``--loo`` or ``--tag``: same subsets, same orders) are
-    merged into one row holding every scorer, provided the scorers they share have the same per-size LDS;
-    otherwise the later file (in name order) wins and a line says so.
+    merged into one row holding every scorer. Where a scorer they share has another per-size LDS (the scorer changed
+    between the measurements), the later file (in name order) wins for that scorer and a line says so.
     """
     merged: dict[tuple[Any, ...], dict[str, Any]] = {}
     for row in rows:
@@ -182,15 +187,10 @@ def _merge_cells(rows: list[dict[str, Any]], cell: Any) -> list[dict[str, Any]]:
             continue
         first = merged[key]
         shared = set(first["per_size"][0]["lds"]) & set(row["per_size"][0]["lds"])
-        agree = all(
-            abs(a["lds"][name] - b["lds"][name]) < 1e-9
-            for a, b in zip(first["per_size"], row["per_size"], strict=True)
-            for name in shared
-        )
-        if not agree:
-            print(f"cell {key}: files disagree on {sorted(shared)}; the later file is shown")
-            merged[key] = row
-            continue
+        pairs = list(zip(first["per_size"], row["per_size"], strict=True))
+        changed = sorted(name for name in shared if any(abs(a["lds"][name] - b["lds"][name]) > 1e-9 for a, b in pairs))
+        if changed:
+            print(f"cell {key}: {changed} differ between its files; the later file's values are shown")
         for a, b in zip(first["per_size"], row["per_size"], strict=True):
             for field in ("lds", "pearson"):
                 a[field] = {**a[field], **b[field]}
@@ -225,7 +225,7 @@ def summary(out: Path) -> None:
         lds = [f"{row['lds'][name]:.2f}" if name in row["lds"] else "—" for name in SCORERS]
         # The best of the optimizer-aware scorers in this cell
         best = max(
-            (name for name in ("aware", "aware_step", "unrolled", "smoothed") if name in row["lds"]), key=row["lds"].get
+            (name for name in ("aware", "aware_step", "unrolled", *SMOOTHING) if name in row["lds"]), key=row["lds"].get
         )
         ratio = row["lds"][best] / row["ceiling"] if row["ceiling"] > 0 else float("nan")
         extremes = row["extremes"]
