@@ -134,6 +134,27 @@ def test_callbacks_take_the_unrolled_score(tmp_path):
         AttributionCallback(optimizer_aware="yes")
 
 
+def test_attribution_snapshots_hold_the_smoothed_score_and_name_it(tmp_path):
+    from sb3_influence import AttributionCallback, InfluencePPO
+    from sb3_influence.common.snapshots import load_snapshot
+
+    model = InfluencePPO(
+        "MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2, seed=0, policy_kwargs=dict(net_arch=[8])
+    )
+    options = dict(optimizer_aware="unrolled", n_orders=2, clip_smoothing=1e-2)
+    model.learn(64, callback=AttributionCallback(save_dir=str(tmp_path), **options))
+    (path,) = sorted(tmp_path.glob("*.npz"))
+    snapshot = load_snapshot(str(path))
+    assert snapshot.metadata["scorer"] == options
+    # The snapshot was written before the update, at θ(k): compute_influence scores the same round there
+    np.testing.assert_array_equal(snapshot.arrays["influence/return"], model.compute_influence(**options))
+    assert not np.allclose(snapshot.arrays["influence/return"], model.compute_influence(optimizer_aware="unrolled"))
+    with pytest.raises(ValueError, match="AttributionCallback: n_orders and clip_smoothing change the unrolled"):
+        AttributionCallback(optimizer_aware=True, n_orders=2)
+    with pytest.raises(ValueError, match="AttributionCallback: clip_smoothing must be"):
+        AttributionCallback(optimizer_aware="unrolled", clip_smoothing=-1.0)
+
+
 def test_iif_ranks_by_the_smoothed_order_averaged_score():
     from sb3_influence import IIFCallback, InfluencePPO
     from sb3_influence.common.filters import DROP_RULES

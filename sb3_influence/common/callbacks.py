@@ -272,6 +272,10 @@ class AttributionCallback(RoundCallback):
         run with another ``n_envs``, ``n_steps`` or ``name_prefix``), delete those snapshot files instead of
         raising. Snapshots of the same run are never overwritten without it: a resumed model continues its round
         numbering after them.
+    :param n_orders: With ``optimizer_aware="unrolled"``: average the score over this many minibatch orders (the
+        real update's first; each costs one more replay).
+    :param clip_smoothing: With ``optimizer_aware="unrolled"``: soften PPO's ratio clip in the replay to a softplus of
+        this width (see the faithfulness page). The snapshots' metadata records the scorer (``"scorer"``).
     """
 
     round_role = "observer"
@@ -286,13 +290,21 @@ class AttributionCallback(RoundCallback):
         optimizer_aware: bool | str = False,
         verbose: int = 0,
         overwrite: bool = False,
+        n_orders: int = 1,
+        clip_smoothing: float = 0.0,
     ):
         super().__init__(verbose)
         if optimizer_aware not in (False, True, "unrolled"):
             raise ValueError(
                 f"AttributionCallback: optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}"
             )
+        try:
+            check_unrolled_options(optimizer_aware, n_orders, clip_smoothing)
+        except ValueError as error:
+            raise ValueError(f"AttributionCallback: {error}") from None
         self.optimizer_aware = optimizer_aware
+        self.n_orders = int(n_orders)
+        self.clip_smoothing = float(clip_smoothing)
         if isinstance(targets, (str, Target)):
             targets = [targets]
         self.targets = [as_target(target) for target in targets]
@@ -351,8 +363,17 @@ class AttributionCallback(RoundCallback):
         if self.optimizer_aware is True:
             return [ScoreRequest(target, "multi", optimizer_aware=True, in_run=True) for target in self.targets]
         if self.optimizer_aware == "unrolled":
-            return [ScoreRequest(target, "multi", optimizer_aware="unrolled") for target in self.targets]
+            options = dict(n_orders=self.n_orders, clip_smoothing=self.clip_smoothing)
+            return [ScoreRequest(target, "multi", optimizer_aware="unrolled", **options) for target in self.targets]
         return [ScoreRequest(target) for target in self.targets]
+
+    @property
+    def scorer(self) -> dict[str, Any]:
+        """The scorer of the snapshots, as their metadata records it."""
+        scorer: dict[str, Any] = {"optimizer_aware": self.optimizer_aware}
+        if self.optimizer_aware == "unrolled":
+            scorer.update(n_orders=self.n_orders, clip_smoothing=self.clip_smoothing)
+        return scorer
 
     def _log(self, round_: InfluenceRound) -> None:
         advantages = self.model.rollout_buffer.to_records(self.model.rollout_buffer.flat_field("advantages"))
@@ -399,7 +420,7 @@ class AttributionCallback(RoundCallback):
                 )
             os.remove(earlier)
         filters = [source for source, _ in round_.drops]
-        extra = {"filters": filters, "name_prefix": self.name_prefix}
+        extra = {"filters": filters, "name_prefix": self.name_prefix, "scorer": self.scorer}
         save_snapshot(path, arrays, snapshot_metadata(self.model, list(self.scores), extra=extra))
         self._written[round_.index] = path
         self.last_path = path
