@@ -62,6 +62,8 @@ OPTIMIZERS = {
 #: Widths of the softened ratio clip of the ``smoothed`` scorers (each averaged over 4 minibatch orders)
 SMOOTHING = {"smoothed": 1e-3, "smoothed_1e-2": 1e-2, "smoothed_3e-2": 3e-2}
 SCORERS = ("single", "multi", "aware", "aware_step", "unrolled", *SMOOTHING)
+#: The scorers in the plot (every scorer is in the table)
+PLOT_SCORERS = ("single", "multi", "aware", "unrolled", "smoothed_3e-2")
 #: The measured leave-one-out effects, scored like a scorer (``--loo``): an oracle, not a scorer
 ORACLE = "loo"
 
@@ -244,23 +246,31 @@ def summary(out: Path) -> None:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 3.2), layout="constrained")
+    # The plot: the cells at the largest number of subsets per size, and one scorer of each kind
+    most = max(r["n_subsets"] for r in rows)
+    plotted = [r for r in rows if r["n_subsets"] == most]
+    figure = Figure(figsize=(max(6.0, 0.45 * len(plotted) + 1.5), 3.6), layout="constrained")
     ax = figure.subplots()
     labels = [
-        f"{r['env']}\n{r['optimizer']} r{r['round']} s{r['seed']}"
+        f"{r['env']} {r['optimizer']}\nr{r['round']} s{r['seed']}"
         + ("\nzero-w" if r.get("drop_mode") == "zero-weight" else "")
         + ("\n+loo" if ORACLE in r["lds"] else "")
-        for r in rows
+        for r in plotted
     ]
-    x = np.arange(len(rows))
-    for offset, name in enumerate(SCORERS):
-        width = 0.8 / len(SCORERS)
+    x = np.arange(len(plotted))
+    for offset, name in enumerate(PLOT_SCORERS):
+        width = 0.8 / len(PLOT_SCORERS)
         ax.bar(
-            x + (offset - (len(SCORERS) - 1) / 2) * width, [r["lds"].get(name, np.nan) for r in rows], width=width, label=name
+            x + (offset - (len(PLOT_SCORERS) - 1) / 2) * width,
+            [r["lds"].get(name, np.nan) for r in plotted],
+            width=width,
+            label=name,
         )
-    ax.plot(x, [r["ceiling"] for r in rows], "k_", markersize=14, label="ceiling")
-    ax.plot(x, [r["lds"].get(ORACLE, np.nan) for r in rows], "kx", markersize=6, label="loo (additive oracle)")
-    ax.set_xticks(x, labels, fontsize=6)
+    ax.plot(x, [r["ceiling"] for r in plotted], "k_", markersize=14, label="ceiling")
+    if any(ORACLE in r["lds"] for r in plotted):
+        ax.plot(x, [r["lds"].get(ORACLE, np.nan) for r in plotted], "kx", markersize=6, label="loo (additive oracle)")
+    ax.set_xticks(x, labels, fontsize=6, rotation=90)
+    ax.set_title(f"LDS per cell, {most} subsets per size (all cells: the table)", fontsize=8)
     ax.set_ylabel("LDS (Spearman)")
     ax.axhline(0, color="grey", lw=0.8)
     ax.legend(fontsize=7, ncol=5)
