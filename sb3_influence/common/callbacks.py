@@ -110,7 +110,7 @@ class IIFCallback(RoundCallback):
     :param n_orders: With ``optimizer_aware="unrolled"``: average the score over this many minibatch orders (the
         real update's first; each costs one more replay).
     :param clip_smoothing: With ``optimizer_aware="unrolled"``: soften PPO's ratio clip in the replay to a softplus of
-        this width (``1e-3`` with ``n_orders=4`` follows single-record effects best under Adam, see the faithfulness page).
+        this width (``3e-2`` with ``n_orders=4`` predicted removals best under SB3's Adam, see the faithfulness page).
     :param unit: ``"record"``: the rule ranks records. ``"trajectory"``: the rule ranks the buffer's trajectories
         by the sum of their records' scores and whole trajectories are dropped (see
         :mod:`sb3_influence.common.units`); ``n_neg`` and ``iif/n_negative`` then count trajectories
