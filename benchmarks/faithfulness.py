@@ -117,6 +117,15 @@ def score(model: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     return scores, seconds
 
 
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """Write one cell's result file atomically (a finished cell is skipped on a re-run), with the Python and torch."""
+    result.update(python=platform.python_version(), torch=th.__version__)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
+
+
 def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Namespace, drop_mode: str = "remove") -> Path:
     from sb3_influence.analysis.faithfulness import faithfulness, leave_one_out
 
@@ -163,13 +172,8 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
         scoring_cpu_s=seconds,
         record_spearman_vs_loo=record_spearman,
         cpu_s=time.process_time() - start,
-        python=platform.python_version(),
-        torch=th.__version__,
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
+    write_result(path, result)
     lds = {name: round(value, 3) for name, value in result["lds"].items()}
     print(f"{path.name}: LDS {lds}, ceiling {result['ceiling']:.3f}, {result['cpu_s'] / 60:.1f} CPU min", flush=True)
     return path

@@ -20,15 +20,13 @@ skipped; ``--summary`` writes ``docs/record_effects_table.md``.
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch as th
-from faithfulness import ENVS, OPTIMIZERS, collect_round, make_model
+from faithfulness import ENVS, OPTIMIZERS, collect_round, make_model, write_result
 from stable_baselines3.common.utils import get_schedule_fn
 
 from sb3_influence.analysis.faithfulness import retrained_target
@@ -104,13 +102,8 @@ def run_cell(env: str, optimizer: str, rounds: int, seed: int, args: argparse.Na
         scoring_cpu_s=seconds,
         loo_cpu_s=loo_seconds,
         cpu_s=time.process_time() - start,
-        python=platform.python_version(),
-        torch=th.__version__,
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
+    write_result(path, result)
     best = max(result["spearman"].items(), key=lambda item: item[1])
     print(
         f"{path.name}: unrolled {result['spearman']['unrolled']:.3f}, best {best[0]} {best[1]:.3f}, "
