@@ -611,6 +611,50 @@ def test_docs_page_with_an_arm_that_applies_to_some_cells(tmp_path):
     assert (tmp_path / "docs/fig/grid_MiniGrid_adam1e-3.png").exists()
 
 
+def test_opt_in_arm_runs_only_where_named_and_joins_the_page_once_it_ran(tmp_path):
+    pytest.importorskip("rliable.metrics", reason="install the bench extra: pip install -e '.[bench]'")
+    from sb3_influence.bench.page import generate_page
+
+    spec = bench.ARMS["iif-smoothed"]
+    assert spec.opt_in and spec.iif_kwargs == {"optimizer_aware": "unrolled", "clip_smoothing": 3e-2, "n_orders": 4}
+    # Not in the default grid, nor in a cell's arms; where named, only in the settings it applies to
+    assert "iif-smoothed" not in bench.arms_for("sb3", env="MiniGrid")
+    assert not any(job.arm == "iif-smoothed" for job in bench.grid(["MiniGrid"], seeds=[0]))
+    assert bench.arms_for("sb3", ["ppo", "iif-smoothed"]) == ("ppo", "iif-smoothed")
+    assert bench.arms_for("sgd", ["iif-smoothed"]) == ()
+    assert [j.arm for j in bench.grid(["CartPole"], ["iif-smoothed"], [0], settings=["sb3"])] == ["iif-smoothed"]
+    request = bench.make_callback("iif-smoothed", 0.5).request
+    assert (request.optimizer_aware, request.clip_smoothing, request.n_orders) == ("unrolled", 3e-2, 4)
+
+    out, legacy = str(tmp_path / "grid"), str(tmp_path / "legacy")
+    curves = {"ppo": [0.0, 0.2, 0.5, 0.9], "iif": [0.0, 0.5, 0.9, 0.9], "random": [0.0, 0.1, 0.4, 0.8]}
+    curves["iif-aware"] = [0.0, 0.4, 0.8, 0.9]
+    for seed in (0, 1):
+        for arm, returns in curves.items():
+            _fake_grid_run(out, "MiniGrid", "sb3", arm, seed, [r + 0.01 * seed for r in returns])
+    template = tmp_path / "page.md.in"
+    template.write_text("\n\n".join(["# T", *("{{" + name + "}}" for name in ("status", "aggregate", "reading"))]))
+    output = tmp_path / "page.md"
+
+    def page():
+        report = generate_page(str(template), str(output), str(tmp_path / "fig"), out, legacy, seeds=(0, 1))
+        return report, output.read_text()
+
+    # Without a run of it, the cell is complete and the page has no trace of the arm
+    report, text = page()
+    assert "MiniGrid sb3" in report["complete"] and "iif-smoothed" not in text
+    # One finished seed: a column and its progress, and the cell stays complete (it does not need the arm)
+    _fake_grid_run(out, "MiniGrid", "sb3", "iif-smoothed", 0, [0.0, 0.7, 0.9, 1.0])
+    report, text = page()
+    assert "MiniGrid sb3" in report["complete"] and "| iif-smoothed seeds done |" in text
+    assert "| MiniGrid | sb3 | 40 | 2/2 | 2/2 | 2/2 | 2/2 | 1/2 | — | — | " in text
+    assert "| MiniGrid sb3 | iif-smoothed | incomplete (1/2 seeds)" in text and "iif-smoothed >" not in text
+    # Every seed: its reading and its own statistics against IIF and PPO
+    _fake_grid_run(out, "MiniGrid", "sb3", "iif-smoothed", 1, [0.0, 0.7, 0.9, 1.0])
+    report, text = page()
+    assert "| MiniGrid sb3 | iif-smoothed | **" in text and "| final | iif-smoothed > iif |" in text
+
+
 def test_env_kwargs_reach_gym_as_plain_dicts():
     """The protocol's read-only configs (MappingProxyType) are copied to dicts, which the env can pickle."""
     import pickle

@@ -3,7 +3,8 @@
 Hu et al., "A Snapshot of Influence" (arXiv 2505.19281), Sec. 5, over a grid of environment × optimizer setting ×
 arm × seed.
 
-Every run trains one arm (:data:`ARMS`: ``ppo``, ``iif``, ``random``, and ``iif-aware`` in the Adam settings) on
+Every run trains one arm (:data:`ARMS`: ``ppo``, ``iif``, ``random``, ``iif-aware`` in the Adam settings, the
+trajectory arms in MiniGrid's SGD cells, and ``iif-smoothed``, opt-in, where named) on
 one environment with one optimizer setting (:data:`SETTINGS`) and one seed, round by round (one round = one rollout
 of ``n_steps * n_envs`` records + one PPO update), evaluates the stochastic policy every ``eval_every`` rounds and
 writes its per-round results to ``<out>/<env>/<setting>/<arm>_seed<seed>.json`` as it goes. Arms with the same seed

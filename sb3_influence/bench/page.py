@@ -74,7 +74,10 @@ class _Cell:
         self.seeds = list(seeds)
         self.label = f"{env}" if legacy else f"{env} {name}"
         # The superseded protocol ran the SGD setting with these arms
-        self.arms = ("ppo", "iif", "random") if legacy else arms_for(name, env=env)
+        self.required = ("ppo", "iif", "random") if legacy else arms_for(name, env=env)
+        # Opt-in arms (Arm.opt_in) join the cell once they have a finished run in it
+        joined = set() if legacy else {arm for arm in arms_for(name, list(ARMS), env) if ARMS[arm].opt_in and arm in self.runs}
+        self.arms = tuple(arm for arm in ARMS if arm in self.required or arm in joined) if not legacy else self.required
 
     def complete_seeds(self, arm: str) -> list[int]:
         return sorted(set(self.runs.get(arm, {})) & set(self.seeds))
@@ -85,7 +88,8 @@ class _Cell:
 
     @property
     def complete(self) -> bool:
-        return self.complete_for(self.arms)
+        """Every arm the cell needs has all the seeds (opt-in arms are not needed)."""
+        return self.complete_for(self.required)
 
     @property
     def paired(self) -> bool:
@@ -130,9 +134,11 @@ def _partial(cell: _Cell, arm: str) -> str:
 
 
 def _status(cells: list[_Cell], out: str) -> str:
+    # Opt-in arms get a column once they ran somewhere
+    shown = [arm for arm in ARMS if not ARMS[arm].opt_in or any(arm in cell.arms for cell in cells)]
     lines = [
-        "| env | setting | rounds | " + " | ".join(f"{arm} seeds done" for arm in ARMS) + " | CPU h spent | status |",
-        "|---|---|---|" + "---|" * len(ARMS) + "---|---|",
+        "| env | setting | rounds | " + " | ".join(f"{arm} seeds done" for arm in shown) + " | CPU h spent | status |",
+        "|---|---|---|" + "---|" * len(shown) + "---|---|",
     ]
     for cell in cells:
         setting, *variants = cell.name.split("+")
@@ -141,7 +147,7 @@ def _status(cells: list[_Cell], out: str) -> str:
         hours = cpu_hours(_jobs(cell), out)
         lines.append(
             f"| {cell.env} | {cell.name} | {rounds} | "
-            + " | ".join(_partial(cell, arm) if arm in cell.arms else "—" for arm in ARMS)
+            + " | ".join(_partial(cell, arm) if arm in cell.arms else "—" for arm in shown)
             + f" | {hours:.2f} | {state} |"
         )
     return "\n".join(lines)
@@ -283,12 +289,12 @@ def _aggregate_groups(cells: list[_Cell]) -> list[tuple[list[_Cell], tuple[str, 
     by_cells: dict[tuple[str, ...], list[str]] = {}
     for arm in ARMS:
         if arm not in common:
-            where = tuple(cell.label for cell in complete if arm in cell.arms)
+            where = tuple(cell.label for cell in complete if arm in cell.arms and cell.complete_for((arm,)))
             if where:
                 by_cells.setdefault(where, []).append(arm)
     for labels, new in by_cells.items():
         subset = [cell for cell in complete if cell.label in labels]
-        arms = tuple(arm for arm in ARMS if all(arm in cell.arms for cell in subset))
+        arms = tuple(arm for arm in ARMS if all(arm in cell.arms and cell.complete_for((arm,)) for cell in subset))
         groups.append((subset, arms, tuple(new)))
     return groups
 

@@ -186,6 +186,9 @@ class Arm:
     :param cost: CPU time of one of its runs relative to a run of an arm without scoring overhead of its own (1
         for PPO, IIF and random), for the cost estimates of cells where it has not run yet. Evaluations cost the
         same in every arm, so a training-round ratio is an upper bound.
+    :param opt_in: The arm runs only where it is named (``--arms``): a cell is complete without it, and it joins a
+        cell's status, results, statistics and plots once it has a finished run there. For arms too costly to be
+        part of every cell.
     """
 
     rule: str | None
@@ -197,6 +200,7 @@ class Arm:
     envs: tuple[str, ...] | None = None
     versus: tuple[str, ...] = ()
     cost: float = 1.0
+    opt_in: bool = False
 
     def applies_to(self, setting: str, env: str | None = None) -> bool:
         """
@@ -231,6 +235,17 @@ ARMS: Mapping[str, Arm] = MappingProxyType(
             versus=("iif", "ppo"),
             cost=2.0,
         ),
+        # The score that predicts removals best under Adam (docs/faithfulness.md): does it make a better filter?
+        "iif-smoothed": Arm(
+            "neg-bottom",
+            "IIF (smoothed unrolled)",
+            "tab:brown",
+            iif_kwargs=MappingProxyType({"optimizer_aware": "unrolled", "clip_smoothing": 3e-2, "n_orders": 4}),
+            settings=_ADAM_SETTINGS,
+            versus=("iif", "ppo"),
+            cost=6.0,
+            opt_in=True,
+        ),
         # Whole trajectories (issue 13): IIF's score summed per trajectory, and DTV-Loo's consensus score (no
         # target), both budgeted in records, on MiniGrid in the paper's setting (and the smoke test)
         "iif-trajectory": Arm(
@@ -263,13 +278,13 @@ def arms_for(setting: str, arms: Sequence[str] | None = None, env: str | None = 
     (jobs, status, cost estimates, statistics, plots) asks this.
 
     :param setting: A key of :data:`SETTINGS`, or a cell name with variants (``"sgd+drop-partial"``).
-    :param arms: Only these keys of :data:`ARMS` (default: all).
+    :param arms: Only these keys of :data:`ARMS` (default: all but the opt-in ones, ``Arm.opt_in``).
     :param env: A key of :data:`ENVS`; ``None``: the arms of the setting in any environment.
     :return: The keys of the arms of ``arms`` that apply to ``setting`` (and ``env``).
     """
     base = setting.split("+")[0]
     check_names(envs=[env] if env is not None else (), settings=[base], arms=arms or ())
-    wanted = ARMS if arms is None else set(arms)
+    wanted = {name for name, arm in ARMS.items() if not arm.opt_in} if arms is None else set(arms)
     return tuple(name for name, arm in ARMS.items() if name in wanted and arm.applies_to(base, env))
 
 
