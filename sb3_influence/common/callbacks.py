@@ -363,8 +363,12 @@ class AttributionCallback(RoundCallback):
         if self.optimizer_aware is True:
             return [ScoreRequest(target, "multi", optimizer_aware=True, in_run=True) for target in self.targets]
         if self.optimizer_aware == "unrolled":
-            options = dict(n_orders=self.n_orders, clip_smoothing=self.clip_smoothing)
-            return [ScoreRequest(target, "multi", optimizer_aware="unrolled", **options) for target in self.targets]
+            return [
+                ScoreRequest(
+                    target, "multi", optimizer_aware="unrolled", n_orders=self.n_orders, clip_smoothing=self.clip_smoothing
+                )
+                for target in self.targets
+            ]
         return [ScoreRequest(target) for target in self.targets]
 
     @property
