@@ -192,6 +192,14 @@ def _merge_cells(rows: list[dict[str, Any]], cell: Any) -> list[dict[str, Any]]:
             merged[key] = row
             continue
         first = merged[key]
+        sizes = [size.get("size") for size in first["per_size"]] == [size.get("size") for size in row["per_size"]]
+        if not sizes or any(
+            abs(a["ceiling"] - b["ceiling"]) > 1e-9 for a, b in zip(first["per_size"], row["per_size"], strict=True)
+        ):
+            # Another truth (other subsets, orders or sizes): not one measurement, the later file replaces the row
+            print(f"cell {key}: its files measured another truth; the later file is shown")
+            merged[key] = row
+            continue
         shared = set(first["per_size"][0]["lds"]) & set(row["per_size"][0]["lds"])
         pairs = list(zip(first["per_size"], row["per_size"], strict=True))
         changed = sorted(name for name in shared if any(abs(a["lds"][name] - b["lds"][name]) > 1e-9 for a, b in pairs))

@@ -134,6 +134,28 @@ def test_callbacks_take_the_unrolled_score(tmp_path):
         AttributionCallback(optimizer_aware="yes")
 
 
+def test_cached_scores_are_kept_apart_by_the_unrolled_options():
+    from sb3_influence import InfluencePPO
+    from sb3_influence.common import sb3_compat
+
+    model = InfluencePPO(
+        "MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2, seed=0, policy_kwargs=dict(net_arch=[8])
+    )
+    sb3_compat.collect_rollout(model)
+    exact = model.compute_influence(optimizer_aware="unrolled", cache=True)
+    smoothed = model.compute_influence(optimizer_aware="unrolled", clip_smoothing=np.float32(1e-2), cache=True)
+    averaged = model.compute_influence(optimizer_aware="unrolled", n_orders=2, cache=True)
+    # Another request is computed afresh (a key that ignored an option would return the cached array itself; at
+    # round 0 few ratios reach the clip, so the smoothing changes the scores only in their last digits)
+    for one, other in ((exact, smoothed), (exact, averaged), (smoothed, averaged)):
+        assert not np.array_equal(one, other)
+    assert np.abs(exact - averaged).max() > 0.1 * np.abs(exact).max()
+    # Each request hits its own cache entry: the same numbers again, not another request's
+    np.testing.assert_array_equal(model.compute_influence(optimizer_aware="unrolled", cache=True), exact)
+    again = model.compute_influence(optimizer_aware="unrolled", clip_smoothing=1e-2, cache=True)
+    np.testing.assert_array_equal(again, smoothed)
+
+
 def test_attribution_snapshots_hold_the_smoothed_score_and_name_it(tmp_path):
     from sb3_influence import AttributionCallback, InfluencePPO
     from sb3_influence.common.snapshots import load_snapshot
@@ -146,7 +168,8 @@ def test_attribution_snapshots_hold_the_smoothed_score_and_name_it(tmp_path):
     (path,) = sorted(tmp_path.glob("*.npz"))
     snapshot = load_snapshot(str(path))
     assert snapshot.metadata["scorer"] == options
-    # The snapshot was written before the update, at θ(k): compute_influence scores the same round there
+    # The snapshot was written before the update, at θ(k): compute_influence (cache=False by default, so computed
+    # afresh) scores the same round there
     np.testing.assert_array_equal(snapshot.arrays["influence/return"], model.compute_influence(**options))
     assert not np.allclose(snapshot.arrays["influence/return"], model.compute_influence(optimizer_aware="unrolled"))
     with pytest.raises(ValueError, match="AttributionCallback: n_orders and clip_smoothing change the unrolled"):

@@ -73,8 +73,8 @@ def grid(
     SGD cell.
 
     :param envs: Keys of :data:`~sb3_influence.bench.harness.ENVS`.
-    :param arms: Keys of :data:`~sb3_influence.bench.harness.ARMS`; ``None``: every arm, each in the settings it
-        applies to.
+    :param arms: Keys of :data:`~sb3_influence.bench.harness.ARMS`; ``None``: every arm but the opt-in ones
+        (``Arm.opt_in``), each in the settings it applies to.
     :param seeds: Seeds.
     :param settings: Keys of :data:`~sb3_influence.bench.harness.SETTINGS`; ``None``: each environment's own
         protocol settings (``EnvSpec.settings``).

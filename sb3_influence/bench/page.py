@@ -282,7 +282,7 @@ def _aggregate_groups(cells: list[_Cell]) -> list[tuple[list[_Cell], tuple[str, 
     :return: ``(cells, arms, new)`` per task set: its cells, the arms that apply to all of them, and the arms whose
         comparisons (``Arm.versus``) it reports (all of them in the first set, the restricted ones after).
     """
-    common = tuple(arm for arm, spec in ARMS.items() if spec.settings is None and spec.envs is None)
+    common = tuple(arm for arm, spec in ARMS.items() if spec.settings is None and spec.envs is None and not spec.opt_in)
     base = [cell for cell in cells if cell.complete_for(common)]
     groups = [(base, common, common)] if base else []
     complete = [cell for cell in cells if cell.complete]

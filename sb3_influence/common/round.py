@@ -20,6 +20,7 @@ model finds them in the callback list it was given, so two models never share pa
 a ``learn()`` that raised never acts on a later one.
 """
 
+import numbers
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -181,7 +182,7 @@ def check_unrolled_options(optimizer_aware: bool | str, n_orders: int, clip_smoo
     """``n_orders`` and ``clip_smoothing``: valid, and only with the unrolled scorer (``ValueError`` naming the fix)."""
     if isinstance(n_orders, bool) or not isinstance(n_orders, (int, np.integer)) or n_orders < 1:
         raise ValueError(f"n_orders must be an integer of at least 1 (minibatch orders averaged), got {n_orders!r}")
-    if isinstance(clip_smoothing, bool) or not isinstance(clip_smoothing, (int, float)) or not 0 <= clip_smoothing < np.inf:
+    if isinstance(clip_smoothing, bool) or not isinstance(clip_smoothing, numbers.Real) or not 0 <= clip_smoothing < np.inf:
         raise ValueError(f"clip_smoothing must be a float >= 0 (0: PPO's hard ratio clip), got {clip_smoothing!r}")
     if (n_orders != 1 or clip_smoothing) and optimizer_aware != "unrolled":
         raise ValueError(

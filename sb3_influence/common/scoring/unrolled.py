@@ -213,8 +213,7 @@ def unrolled_influence(
     switch depends on the minibatch order. A softened clip (``clip_smoothing``) turns the jumps into slopes the
     derivative sees, and averaging over orders (``n_orders``) estimates the expected effect of removing the record,
     as IIF's re-batched update meets it. ``docs/faithfulness.md`` measures both: ``clip_smoothing=3e-2`` with
-    ``n_orders=4`` predicted subset removals best under SB3's Adam (narrower widths give a few records near the
-    boundary very large scores).
+    ``n_orders=4`` predicted subset removals best under SB3's Adam (a narrower 1e-3 failed badly in one cell).
 
     :param model: An ``InfluencePPO`` whose buffer holds the round.
     :param target: The target f.
