@@ -172,6 +172,12 @@ def test_attribution_snapshots_hold_the_smoothed_score_and_name_it(tmp_path):
     # afresh) scores the same round there
     np.testing.assert_array_equal(snapshot.arrays["influence/return"], model.compute_influence(**options))
     assert not np.allclose(snapshot.arrays["influence/return"], model.compute_influence(optimizer_aware="unrolled"))
+    # The same run, resumed into the same folder with another scorer: refused (the column would mix two scores);
+    # with the same scorer it continues
+    with pytest.raises(ValueError, match="this run with another layout"):
+        model.learn(64, callback=AttributionCallback(save_dir=str(tmp_path)), reset_num_timesteps=False)
+    model.learn(64, callback=AttributionCallback(save_dir=str(tmp_path), **options), reset_num_timesteps=False)
+    assert len(sorted(tmp_path.glob("*.npz"))) == 2
     with pytest.raises(ValueError, match="AttributionCallback: n_orders and clip_smoothing change the unrolled"):
         AttributionCallback(optimizer_aware=True, n_orders=2)
     with pytest.raises(ValueError, match="AttributionCallback: clip_smoothing must be"):

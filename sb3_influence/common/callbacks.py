@@ -354,8 +354,16 @@ class AttributionCallback(RoundCallback):
                 os.remove(self._written.pop(index))
 
     def _layout(self) -> dict[str, Any]:
-        """What makes this writer's snapshots one run with the folder's: the buffer's layout and the name prefix."""
-        return {"n_envs": int(self.model.n_envs), "n_steps": int(self.model.n_steps), "name_prefix": self.name_prefix}
+        """
+        What makes this writer's snapshots one run with the folder's: the buffer's layout, the name prefix and the
+        scorer (one ``influence/<target>`` column must not mix scores of different scorers).
+        """
+        return {
+            "n_envs": int(self.model.n_envs),
+            "n_steps": int(self.model.n_steps),
+            "name_prefix": self.name_prefix,
+            "scorer": self.scorer,
+        }
 
     def score_requests(self, round_: InfluenceRound) -> Sequence[ScoreRequest]:
         if round_.index % self.every != 0:

@@ -136,7 +136,8 @@ def claim_save_dir(save_dir: str, run_id: str, layout: dict[str, Any], overwrite
 
     :param save_dir: The snapshot folder (searched recursively, as the readers do).
     :param run_id: The writing model's ``run_id``.
-    :param layout: ``n_envs``, ``n_steps`` and ``name_prefix`` of the writer.
+    :param layout: ``n_envs``, ``n_steps``, ``name_prefix`` and ``scorer`` of the writer (snapshots written before
+        the scorer was recorded match any scorer).
     :param overwrite: Delete the conflicting snapshot files instead of raising.
     :return: The rounds of this run already in the folder, with their files (a resumed run continues after them).
     """
@@ -151,6 +152,8 @@ def claim_save_dir(save_dir: str, run_id: str, layout: dict[str, Any], overwrite
                 warnings.warn(f"save_dir holds an unreadable snapshot, left as it is: {error}", UserWarning)
             continue
         theirs = {name: snapshot.metadata.get(name) for name in layout}
+        if "scorer" in layout and "scorer" not in snapshot.metadata:
+            theirs["scorer"] = layout["scorer"]
         if run_key(snapshot) == run_id and theirs == layout:
             mine[snapshot.round] = snapshot.path
         else:
@@ -169,6 +172,6 @@ def claim_save_dir(save_dir: str, run_id: str, layout: dict[str, Any], overwrite
             + ("this run with another layout" if same and len(runs) == 1 else "another run")
             + f" ({listing}); this run is run_id={run_id} with {layout}. Snapshots of different runs cannot be mixed: "
             "give this run a new save_dir, pass AttributionCallback(overwrite=True) to delete those snapshot files, "
-            "or resume the model that wrote them (InfluencePPO.load) with the same n_envs and name_prefix"
+            "or resume the model that wrote them (InfluencePPO.load) with the same n_envs, name_prefix and scorer"
         )
     return mine
