@@ -643,7 +643,15 @@ def test_opt_in_arm_runs_only_where_named_and_joins_the_page_once_it_ran(tmp_pat
     # Without a run of it, the cell is complete and the page has no trace of the arm
     report, text = page()
     assert "MiniGrid sb3" in report["complete"] and "iif-smoothed" not in text
-    # One finished seed: a column and its progress, and the cell stays complete (it does not need the arm)
+    # A run under way: a column with its progress
+    _fake_grid_run(out, "MiniGrid", "sb3", "iif-smoothed", 0, [0.0, 0.7])
+    path = bench.result_path(out, "MiniGrid", "sb3", "iif-smoothed", 0)
+    with open(path) as file:
+        partial = json.load(file)
+    bench.write_json(path, {**partial, "complete": False, "config": {**partial["config"], "rounds": 3}})
+    report, text = page()
+    assert "MiniGrid sb3" in report["complete"] and "| 0/2 (seed 0 at round 1/3) |" in text
+    # One finished seed: its count, and the cell stays complete (it does not need the arm)
     _fake_grid_run(out, "MiniGrid", "sb3", "iif-smoothed", 0, [0.0, 0.7, 0.9, 1.0])
     report, text = page()
     assert "MiniGrid sb3" in report["complete"] and "| iif-smoothed seeds done |" in text

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from sb3_influence.bench.grid import Job, cpu_hours, grid
-from sb3_influence.bench.protocol import ARMS, ENVS, EXTRA_ENVS, PAPER_ENVS, SETTINGS, arms_for, run_kwargs
+from sb3_influence.bench.protocol import ARMS, ENVS, EXTRA_ENVS, PAPER_ENVS, SETTINGS, arms_for, result_path, run_kwargs
 from sb3_influence.bench.summary import load_runs, markdown_table, percent, plot, summarize
 
 # The paper's IIF numbers (Hu et al. 2025): SE_ave, SE_peak, RT_peak as (mean, s.e.) in percent (Sec. 5 main
@@ -75,8 +75,13 @@ class _Cell:
         self.label = f"{env}" if legacy else f"{env} {name}"
         # The superseded protocol ran the SGD setting with these arms
         self.required = ("ppo", "iif", "random") if legacy else arms_for(name, env=env)
-        # Opt-in arms (Arm.opt_in) join the cell once they have a finished run in it
-        joined = set() if legacy else {arm for arm in arms_for(name, list(ARMS), env) if ARMS[arm].opt_in and arm in self.runs}
+        # Opt-in arms (Arm.opt_in) join the cell once a run of theirs started in it
+        setting, *variants = name.split("+")
+        joined = set()
+        for arm in [] if legacy else arms_for(name, list(ARMS), env):
+            paths = (result_path(out, env, setting, arm, seed, variants) for seed in self.seeds)
+            if ARMS[arm].opt_in and (arm in self.runs or any(os.path.exists(path) for path in paths)):
+                joined.add(arm)
         self.arms = tuple(arm for arm in ARMS if arm in self.required or arm in joined) if not legacy else self.required
 
     def complete_seeds(self, arm: str) -> list[int]:
