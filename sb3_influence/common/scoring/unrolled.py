@@ -169,7 +169,7 @@ def unrolled_replay(
                 per_record = th.func.functional_call(
                     losses, {f"policy.{k}": v for k, v in theta.items()}, arguments, tie_weights=False
                 )
-                loss = (weights[th.as_tensor(ids)].to(per_record.dtype) * per_record).mean()
+                loss = (weights[th.as_tensor(ids)].to(device=per_record.device, dtype=per_record.dtype) * per_record).mean()
                 grads = th.autograd.grad(loss, list(theta.values()), create_graph=differentiable, allow_unused=True)
                 grads = tuple(th.zeros_like(t) if g is None else g for g, t in zip(grads, theta.values(), strict=True))
                 norm = th.sqrt(sum((g * g).sum() for g in grads))  # type: ignore[arg-type]
