@@ -67,6 +67,22 @@ def test_exact_against_brute_force(case, method):
     assert relative_error(scores, expected) < 1e-8
 
 
+@pytest.mark.parametrize("case", ["mlp", "cnn", "gaussian"])
+def test_exact_with_zero_and_tiny_target_weights(case):
+    # One backward gives ∇f and every record's layer-output gradient scaled by its target weight A_j / n, which the
+    # engine divides out: records whose raw advantage is zero or tiny (their normalised advantage is not) are
+    # scored again without the scale, and must match the brute force like the others
+    model = double_rollout(case)
+    advantages = model.rollout_buffer.advantages
+    advantages[::3] = 0.0
+    advantages[1::5] *= 1e-12
+    scores = model.compute_influence("return")
+    expected = model.rollout_buffer.to_records(reference_influence(model, reference_return_target(model)))
+    assert np.isfinite(scores).all()
+    assert np.abs(scores[::3]).min() > 0
+    assert relative_error(scores, expected) < 1e-8
+
+
 @pytest.mark.parametrize("case", ["mlp", "gaussian", "dict"])
 def test_action_target_exact(case):
     model = double_rollout(case, normalize_advantage=False)

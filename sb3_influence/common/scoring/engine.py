@@ -251,21 +251,14 @@ class InfluenceEngine:
         plan: tuple[dict[nn.Module, tuple[th.Tensor | None, th.Tensor | None]], dict[str, th.Tensor]],
         obs: Any,
         actions: th.Tensor,
-        forward: tuple[th.Tensor, list[tuple[nn.Module, th.Tensor, th.Tensor]]] | None = None,
         action_masks: th.Tensor | None = None,
     ) -> th.Tensor:
-        """
-        ``D_i`` for one chunk; ``forward`` reuses a forward pass already captured over every ghostable layer;
-        ``action_masks`` are the chunk's records' masks (masked policies).
-        """
+        """``D_i`` for one chunk; ``action_masks`` are the chunk's records' masks (masked policies)."""
         ghost, rest = plan
         chunk = th.zeros(len(actions), dtype=self.dtype, device=self.device)
         if ghost:
-            if forward is None:
-                with self._capture(list(ghost)) as calls:
-                    log_prob = self._actor(obs, actions, action_masks)
-            else:
-                log_prob, calls = forward[0], [call for call in forward[1] if call[0] in ghost]
+            with self._capture(list(ghost)) as calls:
+                log_prob = self._actor(obs, actions, action_masks)
             grads = th.autograd.grad(log_prob.sum(), [output for _, _, output in calls], allow_unused=True)
             for (module, inputs, _), grad_out in zip(calls, grads, strict=True):
                 if grad_out is not None:
@@ -292,23 +285,44 @@ class InfluenceEngine:
             scores[chunk_ids] = self._chunk_alignment(plan, obs, actions, action_masks=masks).cpu().double().numpy()
         return scores
 
-    def _fused_alignment(self, weights: np.ndarray) -> np.ndarray:
+    def _fused_alignment(self, weights: np.ndarray, batch_size: int) -> np.ndarray:
         """
-        ``∇f`` and ``D`` from one forward pass, for a target ``f = Σ_j w_j log π(a_j|s_j)`` over the buffer's own
-        records when the whole buffer fits in one chunk (the common IIF case).
+        ``∇f`` and ``D`` from one forward and one backward pass, for a target ``f = Σ_j w_j log π(a_j|s_j)`` over the
+        buffer's own records when the whole buffer fits in one chunk (the common IIF case).
+
+        The backward of ``f`` to the parameters also passes through every layer output, where record j's gradient is
+        ``w_j g_j`` (records do not interact): the ghost dot products of those scaled gradients are ``w_j D_j``, so
+        one backward gives both ``∇f`` and ``D`` — divided by ``w_j``. Records whose weight is zero or too small for
+        the division to be exact (``|w_j| < 2⁻²⁰ max|w|``, where ``w_j g_j`` may lose digits) are scored again by
+        the unscaled path, so every ``D_j`` is exact.
         """
         ids, obs, actions, _ = next(self.buffer_batches(self.buffer.n_records))
         masks = self.action_masks(ids)
         with self._capture([module for module in self.policy.modules() if self.layer_scorer(module) is not None]) as calls:
             log_prob = self._actor(obs, actions, masks)
         names, params = zip(*[(name, p) for name, p in self.policy.named_parameters() if p.requires_grad], strict=True)
-        objective = (th.as_tensor(weights, device=self.device).to(self.dtype) * log_prob).sum()
-        grads = th.autograd.grad(objective, params, retain_graph=True, allow_unused=True)
-        v = {name: g.detach() for name, g in zip(names, grads, strict=True) if g is not None}
+        w = th.as_tensor(weights, device=self.device).to(self.dtype)
+        outputs = [output for _, _, output in calls]
+        grads = th.autograd.grad((w * log_prob).sum(), [*params, *outputs], allow_unused=True)
+        v = {name: g.detach() for name, g in zip(names, grads[: len(params)], strict=True) if g is not None}
         if not v:
             return np.zeros(self.buffer.n_records)
-        plan = self._plan(v)
-        return self._chunk_alignment(plan, obs, actions, forward=(log_prob, calls), action_masks=masks).cpu().double().numpy()
+        ghost, rest = self._plan(v)
+        scaled = th.zeros(len(ids), dtype=self.dtype, device=self.device)
+        for (module, inputs, _), grad_out in zip(calls, grads[len(params) :], strict=True):
+            if grad_out is not None and module in ghost:
+                scorer = self.layer_scorer(module)
+                assert scorer is not None
+                scaled = scaled + scorer.dot(module, inputs, grad_out, *ghost[module])
+        exact = (w != 0) & (w.abs() >= w.abs().max() * 2.0**-20)
+        alignment = th.where(exact, scaled / th.where(exact, w, th.ones_like(w)), th.zeros_like(w))
+        if rest:
+            alignment = alignment + self._jvp(rest, obs, actions, masks)
+        scores = alignment.detach().cpu().double().numpy()
+        redo = ids[~exact.cpu().numpy()]
+        if len(redo):
+            scores[redo] = self.alignment(v, batch_size, ids=redo)[redo]
+        return scores
 
     def _jvp(self, v: dict[str, th.Tensor], obs: Any, actions: th.Tensor, action_masks: th.Tensor | None = None) -> th.Tensor:
         names = list(v)
@@ -339,7 +353,7 @@ class InfluenceEngine:
         with self.eval_mode():
             buffer_weights = getattr(target, "buffer_weights", None)
             if buffer_weights is not None and self.method == "ghost" and self.buffer.n_records <= batch_size:
-                return advantages * self._fused_alignment(np.asarray(buffer_weights(self)))
+                return advantages * self._fused_alignment(np.asarray(buffer_weights(self)), batch_size)
             v = self.target_gradient(target, batch_size)
             if not v:
                 return np.zeros(self.buffer.n_records)
