@@ -83,6 +83,31 @@ def test_exact_with_zero_and_tiny_target_weights(case):
     assert relative_error(scores, expected) < 1e-8
 
 
+def test_all_weights_tiny_in_float32_match_the_chunked_path():
+    # Every raw advantage ~1e-20 (the normalised ones are unchanged): w_j g_j would underflow in float32, so every
+    # record must be rescored unscaled; the chunked path (one chunk per 16 records) never scales
+    model = make_model("mlp")
+    collect_rollout(model)
+    model.rollout_buffer.advantages[:] *= 1e-20
+    fused = model.compute_influence("return")
+    chunked = model.compute_influence("return", batch_size=16)
+    assert np.abs(chunked).max() > 0
+    np.testing.assert_allclose(fused, chunked, rtol=1e-4, atol=1e-6 * np.abs(chunked).max())
+
+
+@pytest.mark.parametrize("case", ["mlp", "cnn"])
+def test_frozen_first_layer_exact(case):
+    # A frozen layer's output needs no gradient: it has nothing to score, and the fused backward must skip it
+    model = double_rollout(case)
+    policy = model.policy
+    first = policy.features_extractor.cnn[0] if case == "cnn" else policy.mlp_extractor.policy_net[0]
+    first.requires_grad_(False)
+    scores = model.compute_influence("return")
+    expected = model.rollout_buffer.to_records(reference_influence(model, reference_return_target(model)))
+    assert relative_error(scores, expected) < 1e-8
+    np.testing.assert_allclose(model.compute_influence("return", batch_size=16), scores, rtol=1e-10, atol=1e-14)
+
+
 @pytest.mark.parametrize("case", ["mlp", "gaussian", "dict"])
 def test_action_target_exact(case):
     model = double_rollout(case, normalize_advantage=False)

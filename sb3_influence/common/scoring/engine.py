@@ -293,7 +293,8 @@ class InfluenceEngine:
         The backward of ``f`` to the parameters also passes through every layer output, where record j's gradient is
         ``w_j g_j`` (records do not interact): the ghost dot products of those scaled gradients are ``w_j D_j``, so
         one backward gives both ``∇f`` and ``D`` — divided by ``w_j``. Records whose weight is zero or too small for
-        the division to be exact (``|w_j| < 2⁻²⁰ max|w|``, where ``w_j g_j`` may lose digits) are scored again by
+        the division to be exact (``|w_j| < 2⁻²⁰ max|w|``, or below the fourth root of the dtype's smallest normal
+        number, where ``w_j g_j`` may underflow) are scored again by
         the unscaled path, so every ``D_j`` is exact.
         """
         ids, obs, actions, _ = next(self.buffer_batches(self.buffer.n_records))
@@ -302,6 +303,8 @@ class InfluenceEngine:
             log_prob = self._actor(obs, actions, masks)
         names, params = zip(*[(name, p) for name, p in self.policy.named_parameters() if p.requires_grad], strict=True)
         w = th.as_tensor(weights, device=self.device).to(self.dtype)
+        # Layers whose output needs no gradient (frozen, or before every trainable parameter) have nothing to score
+        calls = [call for call in calls if call[2].requires_grad]
         outputs = [output for _, _, output in calls]
         grads = th.autograd.grad((w * log_prob).sum(), [*params, *outputs], allow_unused=True)
         v = {name: g.detach() for name, g in zip(names, grads[: len(params)], strict=True) if g is not None}
@@ -314,7 +317,9 @@ class InfluenceEngine:
                 scorer = self.layer_scorer(module)
                 assert scorer is not None
                 scaled = scaled + scorer.dot(module, inputs, grad_out, *ghost[module])
-        exact = (w != 0) & (w.abs() >= w.abs().max() * 2.0**-20)
+        # Exact division needs w_j g_j far from underflow: a floor relative to the largest weight, and an absolute one
+        floor = max(float(w.abs().max()) * 2.0**-20, th.finfo(self.dtype).tiny ** 0.25)
+        exact = w.abs() >= floor
         alignment = th.where(exact, scaled / th.where(exact, w, th.ones_like(w)), th.zeros_like(w))
         if rest:
             alignment = alignment + self._jvp(rest, obs, actions, masks)
