@@ -3,12 +3,13 @@ A change to the scoring engine, timed side by side: ``compute_influence()`` with
 (``--base``) against the working tree's, in one process, on the same rollouts, in ABBA order, with the scores
 compared.
 
-Per case and repeat: collect a rollout; time ``compute_influence()`` with the base engine, the current one, the
-current one, the base one; then time PPO's ``train()`` from the same saved state (the denominator of the ratios).
-Reported: medians over repeats of each engine's time over ``train()``, the median of the per-pair ratios
-current / base, and the largest score difference relative to the largest score.
+Per case and repeat: collect a rollout; one untimed call (the first call after a rollout is slower); time
+``compute_influence()`` in ABBA order (base, current, current, base), or BAAB on every other repeat; then time
+PPO's ``train()`` from the same saved state (the denominator of the ratios). Reported: medians over repeats of each
+engine's time over ``train()``, the median of the per-pair ratios current / base, and the largest score
+difference relative to the largest score.
 
-    python benchmarks/engine_ab.py --base 26cf3e8~1 --repeats 7
+    python benchmarks/engine_ab.py --base 6519800~1 --repeats 8
 
 One torch thread, CPU only. The base revision's ``sb3_influence/common/scoring/engine.py`` is loaded next to the
 current package (the rest of the package is the working tree's), so it measures changes confined to that module.
@@ -65,10 +66,12 @@ def measure(case: str, base: types.ModuleType, repeats: int) -> dict[str, Any]:
     engine = next(value for value in vars(model).values() if isinstance(value, current.InfluenceEngine))
     times: dict[str, list[float]] = {"base": [], "current": [], "train": []}
     pairs, differences = [], []
-    for _ in range(repeats):
+    for repeat in range(repeats):
         overhead._collect(model)
+        model.compute_influence()
         scores = {}
-        for name in ("base", "current", "current", "base"):
+        order = ("base", "current", "current", "base") if repeat % 2 == 0 else ("current", "base", "base", "current")
+        for name in order:
             use(engine, base if name == "base" else current)
             tic = time.perf_counter()
             scores[name] = model.compute_influence()
