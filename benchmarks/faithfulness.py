@@ -214,7 +214,10 @@ def _merge_cells(rows: list[dict[str, Any]], cell: Any) -> list[dict[str, Any]]:
 
 
 def summary(out: Path) -> None:
-    """``docs/faithfulness_table.md`` and ``docs/_static/faithfulness.png`` from the result files."""
+    """
+    ``docs/faithfulness_table.md`` (every cell), ``docs/faithfulness_table_aggregate.md`` (by env and optimizer)
+    and ``docs/_static/faithfulness.png`` (the aggregate) from the result files.
+    """
     rows = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
     if not rows:
         raise SystemExit(f"no result file in {RESULTS}: run the grid first")
@@ -253,43 +256,70 @@ def summary(out: Path) -> None:
             f"{extremes['single']['bottom']:+.1f} / {extremes[best]['bottom']:+.1f} | {oracle} | {per_record} |"
         )
     out.write_text("\n".join(lines) + "\n")
+
+    # The aggregate: the cells at the largest number of subsets per size, remove mode, by env and optimizer
+    most = max(r["n_subsets"] for r in rows)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["n_subsets"] == most and row.get("drop_mode", "remove") == "remove":
+            groups.setdefault((row["env"], row["optimizer"]), []).append(row)
+    order = {name: i for i, name in enumerate(OPTIMIZERS)}
+    keys = sorted(groups, key=lambda key: (key[0], order.get(key[1], 99)))
+    recommended = "smoothed_3e-2"
+    aggregate = [
+        "| env | optimizer | cells | " + " | ".join(f"LDS {name}" for name in PLOT_SCORERS) + " | ceiling | "
+        f"{recommended} / ceiling | {recommended} ≥ single |",
+        "|---|---|---|" + "---|" * len(PLOT_SCORERS) + "---|---|---|",
+    ]
+    for key in keys:
+        cells = groups[key]
+
+        def mean_min(values: list[float]) -> str:
+            return f"{np.mean(values):.2f} ({min(values):.2f})" if values else "—"
+
+        columns = [mean_min([c["lds"][name] for c in cells if name in c["lds"]]) for name in PLOT_SCORERS]
+        paired = [c for c in cells if recommended in c["lds"] and c["ceiling"] > 0]
+        ratio = mean_min([c["lds"][recommended] / c["ceiling"] for c in paired]).replace("(", "(min ")
+        ahead = sum(c["lds"][recommended] >= c["lds"]["single"] for c in paired)
+        aggregate.append(
+            f"| {key[0]} | {key[1]} | {len(cells)} | " + " | ".join(columns) + f" | "
+            f"{np.mean([c['ceiling'] for c in cells]):.2f} | {ratio} | {ahead} of {len(paired)} |"
+        )
+    aggregate_path = out.with_name(out.stem + "_aggregate.md")
+    aggregate_path.write_text("\n".join(aggregate) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    # The plot: the cells at the largest number of subsets per size, and one scorer of each kind
-    most = max(r["n_subsets"] for r in rows)
-    plotted = [r for r in rows if r["n_subsets"] == most]
-    figure = Figure(figsize=(max(6.0, 0.45 * len(plotted) + 1.5), 3.6), layout="constrained")
+    # The plot: the aggregate (mean over a group's cells, bars from the lowest to the highest cell)
+    figure = Figure(figsize=(max(6.0, 0.9 * len(keys) + 1.5), 3.6), layout="constrained")
     ax = figure.subplots()
-    labels = [
-        f"{r['env']} {r['optimizer']}\nr{r['round']} s{r['seed']}"
-        + ("\nzero-w" if r.get("drop_mode") == "zero-weight" else "")
-        + ("\n+loo" if ORACLE in r["lds"] else "")
-        for r in plotted
-    ]
-    x = np.arange(len(plotted))
+    x = np.arange(len(keys))
+    width = 0.8 / len(PLOT_SCORERS)
     for offset, name in enumerate(PLOT_SCORERS):
-        width = 0.8 / len(PLOT_SCORERS)
+        values = [[c["lds"][name] for c in groups[key] if name in c["lds"]] or [np.nan] for key in keys]
+        means = np.array([np.mean(v) for v in values])
+        spread = np.array([[m - min(v), max(v) - m] for m, v in zip(means, values, strict=True)]).T
         ax.bar(
             x + (offset - (len(PLOT_SCORERS) - 1) / 2) * width,
-            [r["lds"].get(name, np.nan) for r in plotted],
+            means,
             width=width,
+            yerr=spread,
+            capsize=1.5,
             label=name,
+            error_kw=dict(lw=0.6),
         )
-    ax.plot(x, [r["ceiling"] for r in plotted], "k_", markersize=14, label="ceiling")
-    if any(ORACLE in r["lds"] for r in plotted):
-        ax.plot(x, [r["lds"].get(ORACLE, np.nan) for r in plotted], "kx", markersize=6, label="loo (additive oracle)")
-    ax.set_xticks(x, labels, fontsize=6, rotation=90)
-    ax.set_title(f"LDS per cell, {most} subsets per size (all cells: the table)", fontsize=8)
+    ax.plot(x, [np.mean([c["ceiling"] for c in groups[key]]) for key in keys], "k_", markersize=18, label="ceiling")
+    ax.set_xticks(x, [f"{env}\n{optimizer}\n{len(groups[(env, optimizer)])} cells" for env, optimizer in keys], fontsize=7)
+    ax.set_title(f"Mean LDS over rounds and seeds ({most} subsets per size; bars: lowest to highest cell)", fontsize=8)
     ax.set_ylabel("LDS (Spearman)")
     ax.axhline(0, color="grey", lw=0.8)
-    ax.legend(fontsize=7, ncol=5)
+    ax.legend(fontsize=7, ncol=6)
     image = Path(__file__).parent.parent / "docs" / "_static" / "faithfulness.png"
     image.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(image, dpi=110)
-    print(f"wrote {out} and {image}: {len(rows)} cells")
+    print(f"wrote {out}, {aggregate_path} and {image}: {len(rows)} cells")
 
 
 def main(argv: list[str] | None = None) -> None:
