@@ -271,12 +271,12 @@ def summary(out: Path) -> None:
         f"{recommended} / ceiling | {recommended} ≥ single |",
         "|---|---|---|" + "---|" * len(PLOT_SCORERS) + "---|---|---|",
     ]
+
+    def mean_min(values: list[float]) -> str:
+        return f"{np.mean(values):.2f} ({min(values):.2f})" if values else "—"
+
     for key in keys:
         cells = groups[key]
-
-        def mean_min(values: list[float]) -> str:
-            return f"{np.mean(values):.2f} ({min(values):.2f})" if values else "—"
-
         columns = [mean_min([c["lds"][name] for c in cells if name in c["lds"]]) for name in PLOT_SCORERS]
         paired = [c for c in cells if recommended in c["lds"] and c["ceiling"] > 0]
         ratio = mean_min([c["lds"][recommended] / c["ceiling"] for c in paired]).replace("(", "(min ")
