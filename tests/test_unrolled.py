@@ -1,5 +1,7 @@
 """The unrolled (hypergradient) influence: its replay lands where the real update lands; its gradient is right."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch as th
@@ -132,6 +134,36 @@ def test_callbacks_take_the_unrolled_score(tmp_path):
     assert len(frame) == 128 and not frame["keep"].all()
     with pytest.raises(ValueError, match="optimizer_aware must be"):
         AttributionCallback(optimizer_aware="yes")
+
+
+@pytest.mark.parametrize("bad", [1, 0, 1.0, "True", "in-run", None])
+def test_optimizer_aware_takes_only_its_three_values(bad):
+    # 1 == True and 0 == False: a membership test would let them through and pick a scorer by accident
+    from sb3_influence import AttributionCallback, IIFCallback
+    from sb3_influence.common.round import ScoreRequest
+
+    model = float64_model("adam")
+    for make in (
+        lambda: model.compute_influence(optimizer_aware=bad),
+        lambda: AttributionCallback(optimizer_aware=bad),
+        lambda: IIFCallback(optimizer_aware=bad),
+        lambda: ScoreRequest(ReturnTarget(), "multi", optimizer_aware=bad),
+    ):
+        with pytest.raises(ValueError, match="optimizer_aware must be False .* True .* or 'unrolled'"):
+            make()
+
+
+def test_a_numpy_bool_is_read_as_a_bool():
+    from sb3_influence import AttributionCallback, IIFCallback
+
+    for flag in (np.True_, np.False_):
+        for callback in (AttributionCallback(optimizer_aware=flag), IIFCallback(optimizer_aware=flag)):
+            assert callback.optimizer_aware is bool(flag)
+    assert AttributionCallback(optimizer_aware=np.True_).score_requests(SimpleNamespace(index=0))[0].in_run
+    model = float64_model("adam")
+    np.testing.assert_array_equal(
+        model.compute_influence(optimizer_aware=np.True_), model.compute_influence(optimizer_aware=True)
+    )
 
 
 def test_cached_scores_are_kept_apart_by_the_unrolled_options():

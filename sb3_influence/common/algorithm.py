@@ -31,6 +31,7 @@ from sb3_influence.common.round import (
     RoundParticipant,
     ScoreRequest,
     StepHook,
+    as_optimizer_aware,
     check_unrolled_options,
 )
 from sb3_influence.common.scoring import ENGINE_MODES, InfluenceEngine, LayerScorer
@@ -372,6 +373,7 @@ class InfluenceAlgorithm:
             ``unit="trajectory"``: shape ``(n_trajectories,)``, indexed by trajectory id.
         """
         check_unit(unit, "compute_influence")
+        optimizer_aware = as_optimizer_aware(optimizer_aware)
         check_unrolled_options(optimizer_aware, n_orders, clip_smoothing)
         if unit == "trajectory":
             records = self.compute_influence(
@@ -393,8 +395,6 @@ class InfluenceAlgorithm:
             raise ValueError(f"checkpoints must be one of {CHECKPOINTS}, got {checkpoints!r}")
         if target_gradient not in ("fixed", "step"):
             raise ValueError(f"target_gradient must be 'fixed' or 'step', got {target_gradient!r}")
-        if optimizer_aware not in (False, True, "unrolled"):
-            raise ValueError(f"optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}")
         self.check_optimizer_aware(optimizer_aware)
         request = ScoreRequest(
             as_target(target), checkpoints, optimizer_aware, n_orders=int(n_orders), clip_smoothing=float(clip_smoothing)

@@ -16,7 +16,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 
 from sb3_influence.common.files import make_folder
 from sb3_influence.common.filters import DropRule, resolve_drop_rule, takes_sizes
-from sb3_influence.common.round import InfluenceModel, InfluenceRound, ScoreRequest, check_unrolled_options
+from sb3_influence.common.round import InfluenceModel, InfluenceRound, ScoreRequest, as_optimizer_aware, check_unrolled_options
 from sb3_influence.common.stats import pearson
 from sb3_influence.common.snapshots import (
     claim_save_dir,
@@ -157,9 +157,8 @@ class IIFCallback(RoundCallback):
                 f"IIFCallback: rule {rule!r} takes no `sizes` keyword, which unit='trajectory' with budget='records' "
                 "passes (the records of each trajectory); add `sizes=None` to its signature, or pass budget='units'"
             )
-        if optimizer_aware not in (False, True, "unrolled"):
-            raise ValueError(f"IIFCallback: optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}")
         try:
+            optimizer_aware = as_optimizer_aware(optimizer_aware)
             check_unrolled_options(optimizer_aware, n_orders, clip_smoothing)
         except ValueError as error:
             raise ValueError(f"IIFCallback: {error}") from None
@@ -294,11 +293,8 @@ class AttributionCallback(RoundCallback):
         clip_smoothing: float = 0.0,
     ):
         super().__init__(verbose)
-        if optimizer_aware not in (False, True, "unrolled"):
-            raise ValueError(
-                f"AttributionCallback: optimizer_aware must be False, True or 'unrolled', got {optimizer_aware!r}"
-            )
         try:
+            optimizer_aware = as_optimizer_aware(optimizer_aware)
             check_unrolled_options(optimizer_aware, n_orders, clip_smoothing)
         except ValueError as error:
             raise ValueError(f"AttributionCallback: {error}") from None

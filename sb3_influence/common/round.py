@@ -157,8 +157,7 @@ class ScoreRequest:
     clip_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.optimizer_aware not in (False, True, "unrolled"):
-            raise ValueError(f"optimizer_aware must be False, True or 'unrolled', got {self.optimizer_aware!r}")
+        object.__setattr__(self, "optimizer_aware", as_optimizer_aware(self.optimizer_aware))
         if self.checkpoints not in CHECKPOINTS:
             raise ValueError(f"checkpoints must be one of {CHECKPOINTS}, got {self.checkpoints!r}")
         if self.optimizer_aware and self.checkpoints != "multi":
@@ -176,6 +175,24 @@ class ScoreRequest:
         except TypeError:
             return (("id", id(self.target)), *options)
         return (("target", self.target), *options)
+
+
+def as_optimizer_aware(optimizer_aware: Any) -> bool | str:
+    """
+    ``optimizer_aware`` as a scorer choice: ``False``, ``True`` or ``"unrolled"``, a numpy bool read as a bool.
+
+    Only these: ``1`` or ``0`` would otherwise compare equal to ``True`` or ``False`` and pick a scorer by accident.
+
+    :raises ValueError: naming the accepted values.
+    """
+    if isinstance(optimizer_aware, (bool, np.bool_)):
+        return bool(optimizer_aware)
+    if isinstance(optimizer_aware, str) and optimizer_aware == "unrolled":
+        return "unrolled"
+    raise ValueError(
+        "optimizer_aware must be False (the paper's SGD proxy), True (in-run, through the optimiser) or "
+        f"'unrolled' (through the whole update), got {optimizer_aware!r}"
+    )
 
 
 def check_unrolled_options(optimizer_aware: bool | str, n_orders: int, clip_smoothing: float) -> None:
