@@ -459,6 +459,39 @@ def test_docs_page_marks_incomplete_cells(tmp_path):
         generate_page(str(template), str(output), str(tmp_path / "fig"), out, legacy)
 
 
+def test_reading_flags_a_curve_score_that_disagrees_with_se_ave(tmp_path):
+    # PPO reaches its best sooner and then collapses; IIF reaches it later and holds it (MiniGrid under SB3's Adam)
+    pytest.importorskip("rliable.metrics", reason="install the bench extra: pip install -e '.[bench]'")
+    from sb3_influence.bench.page import generate_page
+
+    out = str(tmp_path / "grid")
+    for seed in (0, 1, 2):
+        bump = 0.01 * seed
+        curves = {
+            "ppo": [0.0, 0.9 + bump, 0.0, 0.0, 0.0],
+            "iif": [0.0, 0.5, 0.95, 0.95, 0.95 - bump],
+            "random": [0.0, 0.1, 0.2, 0.3, 0.3],
+        }
+        for arm, returns in curves.items():
+            _fake_grid_run(out, "FrozenLake", "sgd", arm, seed, returns)
+            # Acrobot: IIF sooner and higher, both readings agree
+            acrobot = {
+                "ppo": [-500, -400, -300, -200, -200],
+                "iif": [-500, -300, -200, -150, -150 + seed],
+                "random": [-500] * 5,
+            }
+            _fake_grid_run(out, "Acrobot", "sgd", arm, seed, [float(r) for r in acrobot[arm]])
+    template = tmp_path / "page.md.in"
+    template.write_text("# T\n\n{{reading}}")
+    output = tmp_path / "page.md"
+    generate_page(str(template), str(output), str(tmp_path / "fig"), out, str(tmp_path / "legacy"), seeds=(0, 1, 2))
+    lines = output.read_text().splitlines()
+    frozen = next(line for line in lines if line.startswith("| FrozenLake sgd | iif |"))
+    assert "| **slower** |" in frozen and "| 1.00 [1.00, 1.00] | **ahead: disagrees with SE_ave** |" in frozen
+    acrobot = next(line for line in lines if line.startswith("| Acrobot sgd | iif |"))
+    assert "| **faster** |" in acrobot and "| ahead |" in acrobot and "disagrees" not in acrobot
+
+
 def test_iif_aware_arm_runs_only_in_the_adam_settings(capsys):
     adam = ("adam3e-4", "adam1e-3", "sb3")
     assert bench.ARMS["iif-aware"].settings == adam and bench.ARMS["iif-aware"].iif_kwargs == {"optimizer_aware": True}

@@ -149,7 +149,7 @@ def test_optimizer_aware_takes_only_its_three_values(bad):
         lambda: IIFCallback(optimizer_aware=bad),
         lambda: ScoreRequest(ReturnTarget(), "multi", optimizer_aware=bad),
     ):
-        with pytest.raises(ValueError, match="optimizer_aware must be False .* True .* or 'unrolled'"):
+        with pytest.raises(ValueError, match=r"optimizer_aware must be False .* True .* or 'unrolled'"):
             make()
 
 

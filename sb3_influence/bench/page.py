@@ -351,22 +351,41 @@ def _aggregate(cells: list[_Cell], figures: str, relative: str, name: str, title
 
 
 def _reading(cells: list[_Cell]) -> str:
-    """Per cell and arm compared with PPO (``"ppo"`` in its ``Arm.versus``): faster, slower or no clear difference."""
-    lines = ["| cell | arm | reading (vs PPO) | SE_ave [95 % CI] | final gain [95 % CI] |", "|---|---|---|---|---|"]
+    """
+    Per cell and arm compared with PPO (``"ppo"`` in its ``Arm.versus``): faster, slower or no clear difference by
+    the paper's SE_ave, and, beside it, the curve score's probability of improvement with its reading (ahead or
+    behind when the interval excludes 0.5): the two measure speed differently and can disagree.
+    """
+    from sb3_influence.bench.stats import probability_of_improvement
+
+    lines = [
+        "| cell | arm | reading (vs PPO) | SE_ave [95 % CI] | curve: P(arm > PPO) [95 % CI] | curve reading | "
+        "final gain [95 % CI] |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for cell in cells:
         summary = summarize(cell.directory, cell.env)
         for arm in [arm for arm in cell.arms if "ppo" in ARMS[arm].versus]:
             entry = summary.get(arm) if cell.complete_for(("ppo", arm)) else None
             if entry is None:
                 done = len(cell.complete_seeds(arm))
-                lines.append(f"| {cell.label} | {arm} | incomplete ({done}/{len(cell.seeds)} seeds): no reading yet | — | — |")
+                lines.append(
+                    f"| {cell.label} | {arm} | incomplete ({done}/{len(cell.seeds)} seeds): no reading yet | — | — | — | — |"
+                )
                 continue
             low, high = entry["se_ave"]["ci"]
             verdict = "faster" if low > 0 else ("slower" if high < 0 else "no clear difference")
+            scores = _scores([cell], "curve", ("ppo", arm))
+            poi = probability_of_improvement(scores[arm], scores["ppo"])
+            p_low, p_high = poi["ci"]
+            curve = "ahead" if p_low > 0.5 else ("behind" if p_high < 0.5 else "no clear difference")
+            if {verdict, curve} in ({"faster", "behind"}, {"slower", "ahead"}):
+                curve = f"**{curve}: disagrees with SE_ave**"
             gain = entry["final_gain"]
             lines.append(
                 f"| {cell.label} | {arm} | **{verdict}** | {100 * entry['se_ave']['mean']:.1f} % [{100 * low:.1f}, "
-                f"{100 * high:.1f}] | {gain['mean']:+.3g} [{gain['ci'][0]:+.3g}, {gain['ci'][1]:+.3g}] |"
+                f"{100 * high:.1f}] | {poi['value']:.2f} [{p_low:.2f}, {p_high:.2f}] | {curve} | "
+                f"{gain['mean']:+.3g} [{gain['ci'][0]:+.3g}, {gain['ci'][1]:+.3g}] |"
             )
     return "\n".join(lines)
 
