@@ -208,8 +208,12 @@ def _merge_cells(rows: list[dict[str, Any]], cell: Any) -> list[dict[str, Any]]:
         for a, b in zip(first["per_size"], row["per_size"], strict=True):
             for field in ("lds", "pearson"):
                 a[field] = {**a[field], **b[field]}
+            if "noise_floor" in b:
+                a["noise_floor"] = b["noise_floor"]
         for field in ("lds", "pearson", "extremes", "record_spearman_vs_loo"):
             first[field] = {**first.get(field, {}), **row.get(field, {})}
+        if "noise_floor" in row:
+            first["noise_floor"] = row["noise_floor"]
     return list(merged.values())
 
 
@@ -232,11 +236,14 @@ def summary(out: Path) -> None:
         sizes = row["per_size"]
         row["lds"] = {name: float(np.mean([size["lds"][name] for size in sizes])) for name in sizes[0]["lds"]}
         row["ceiling"] = float(np.mean([size["ceiling"] for size in sizes]))
+        # Measured by the files written since it was added; older cells show "—"
+        floors = [size["noise_floor"] for size in sizes if "noise_floor" in size]
+        row["noise_floor"] = float(np.mean(floors)) if len(floors) == len(sizes) else None
     lines = [
         "| env | optimizer | round | seed | drop | subsets/size | " + " | ".join(f"LDS {name}" for name in SCORERS) + " | "
-        "ceiling | best ≥ 80 % of ceiling | bottom-5 % drop (single / best), σ | LDS loo (additive oracle) | "
-        "per record ρ(unrolled, loo) |",
-        "|---|---|---|---|---|---|" + "---|" * len(SCORERS) + "---|---|---|---|---|",
+        "ceiling | noise floor | best ≥ 80 % of ceiling | bottom-5 % drop (single / best), σ | "
+        "LDS loo (additive oracle) | per record ρ(unrolled, loo) |",
+        "|---|---|---|---|---|---|" + "---|" * len(SCORERS) + "---|---|---|---|---|---|",
     ]
     for row in rows:
         lds = [f"{row['lds'][name]:.2f}" if name in row["lds"] else "—" for name in SCORERS]
@@ -249,10 +256,12 @@ def summary(out: Path) -> None:
         oracle = f"{row['lds'][ORACLE]:.2f}" if ORACLE in row["lds"] else "—"
         agreement = row.get("record_spearman_vs_loo", {})
         per_record = f"{agreement['unrolled']:.2f}" if "unrolled" in agreement else "—"
+        floor = "—" if row["noise_floor"] is None else f"{row['noise_floor']:.2f}"
         lines.append(
             f"| {row['env']} | {row['optimizer']} | {row['round']} | {row['seed']} | {row.get('drop_mode', 'remove')} | "
             f"{row['n_subsets']} | " + " | ".join(lds) + f" | "
-            f"{row['ceiling']:.2f} | {'yes' if ratio >= 0.8 else 'no'} ({best} {ratio:.0%}) | "
+            f"{row['ceiling']:.2f} | {floor} | "
+            f"{'yes' if ratio >= 0.8 else 'no'} ({best} {ratio:.0%}) | "
             f"{extremes['single']['bottom']:+.1f} / {extremes[best]['bottom']:+.1f} | {oracle} | {per_record} |"
         )
     out.write_text("\n".join(lines) + "\n")
@@ -268,8 +277,8 @@ def summary(out: Path) -> None:
     recommended = "smoothed_3e-2"
     aggregate = [
         "| env | optimizer | cells | " + " | ".join(f"LDS {name}" for name in PLOT_SCORERS) + " | ceiling | "
-        f"{recommended} / ceiling | {recommended} ≥ single |",
-        "|---|---|---|" + "---|" * len(PLOT_SCORERS) + "---|---|---|",
+        f"noise floor (cells measured) | {recommended} / ceiling | {recommended} ≥ single |",
+        "|---|---|---|" + "---|" * len(PLOT_SCORERS) + "---|---|---|---|",
     ]
 
     def mean_min(values: list[float]) -> str:
@@ -281,9 +290,11 @@ def summary(out: Path) -> None:
         paired = [c for c in cells if recommended in c["lds"] and c["ceiling"] > 0]
         ratio = mean_min([c["lds"][recommended] / c["ceiling"] for c in paired]).replace("(", "(min ")
         ahead = sum(c["lds"][recommended] >= c["lds"]["single"] for c in paired)
+        floors = [c["noise_floor"] for c in cells if c["noise_floor"] is not None]
+        floor = f"{np.mean(floors):.2f} ({len(floors)})" if floors else "—"
         aggregate.append(
             f"| {key[0]} | {key[1]} | {len(cells)} | " + " | ".join(columns) + f" | "
-            f"{np.mean([c['ceiling'] for c in cells]):.2f} | {ratio} | {ahead} of {len(paired)} |"
+            f"{np.mean([c['ceiling'] for c in cells]):.2f} | {floor} | {ratio} | {ahead} of {len(paired)} |"
         )
     aggregate_path = out.with_name(out.stem + "_aggregate.md")
     aggregate_path.write_text("\n".join(aggregate) + "\n")

@@ -40,11 +40,29 @@ def test_lds_is_high_where_first_order_is_exact_and_the_model_is_untouched():
     np.testing.assert_array_equal(np.random.get_state()[1], rng_before)
     # A single full-batch step does not depend on the order: the truth is perfectly reliable
     assert result["reliability"] == pytest.approx(1.0)
+    assert result["noise_floor"] == pytest.approx(1.0) and all(
+        row["noise_floor"] == pytest.approx(1.0) for row in result["per_size"]
+    )
     assert result["lds"]["single"] > 0.95 and result["lds"]["aware"] > 0.95
     assert abs(result["lds"]["shuffled"]) < 0.6
     assert result["extremes"]["aware"]["bottom"] > 0 > result["extremes"]["aware"]["top"]
     # reference + subsets + random 5 % drops + bottom/top of 3 scores, each under 2 orders
     assert result["n_retrains"] == 2 * (1 + 2 * 12 + 5 + 3 * 2)
+
+
+def test_noise_floor_is_the_mean_pairwise_spearman_of_the_orders():
+    from scipy.stats import spearmanr
+
+    from sb3_influence.analysis.faithfulness import noise_floor
+
+    rng = np.random.default_rng(0)
+    effect = rng.normal(size=40)
+    truths = effect[:, None] + rng.normal(scale=[0.3, 1.0, 3.0], size=(40, 3))
+    pairs = [spearmanr(truths[:, a], truths[:, b])[0] for a, b in ((0, 1), (0, 2), (1, 2))]
+    assert noise_floor(truths) == pytest.approx(np.mean(pairs), abs=1e-12)
+    assert noise_floor(np.column_stack([effect, effect])) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="at least 2 orders"):
+        noise_floor(truths[:, :1])
 
 
 def test_retraining_without_nothing_is_the_update():

@@ -169,6 +169,22 @@ def leave_one_out(
     return scores.reshape(shape)
 
 
+def noise_floor(truths: np.ndarray) -> float:
+    """
+    The same drops under another minibatch order: the mean Spearman correlation, over every pair of orders, of the
+    subsets' Δf under one order with their Δf under the other. It is the LDS that one retrain's outcome would get as
+    a predictor of another's: a score below it predicts a single retrain worse than the order's own noise does.
+
+    :param truths: Δf, subsets × orders (≥ 2 orders).
+    :return: The mean pairwise Spearman correlation.
+    """
+    truths = np.asarray(truths, dtype=np.float64)
+    if truths.ndim != 2 or truths.shape[1] < 2:
+        raise ValueError(f"truths must be subsets x orders with at least 2 orders, got shape {truths.shape}")
+    pairs = [(a, b) for a in range(truths.shape[1]) for b in range(a + 1, truths.shape[1])]
+    return float(np.mean([spearman(truths[:, a], truths[:, b]) for a, b in pairs]))
+
+
 def faithfulness(
     model: Any,
     scores: Mapping[str, np.ndarray],
@@ -195,8 +211,9 @@ def faithfulness(
         bar on a terminal, else a plain line on stdout every 30 s); it changes no result.
     :param drop_mode: How every retrain leaves its records out: ``"remove"`` (re-batched, as IIF trains) or
         ``"zero-weight"`` (kept in their minibatches with loss weight 0); see :func:`retrained_target`.
-    :return: Dict with ``per_size`` (one dict per size: ``lds`` and ``pearson`` by score, ``reliability``, ``ceiling``),
-        ``lds``/``pearson`` over all subsets by score, ``reliability``, ``ceiling``, ``extremes`` (per score, effect of
+    :return: Dict with ``per_size`` (one dict per size: ``lds`` and ``pearson`` by score, ``reliability``, ``ceiling``,
+        ``noise_floor``), ``lds``/``pearson`` over all subsets by score, ``reliability``, ``ceiling``, ``noise_floor``
+        (:func:`noise_floor`), ``extremes`` (per score, effect of
         dropping its bottom/top 5 % in standard deviations of random 5 % drops), ``n_retrains``, ``drop_mode``,
         ``order_seeds`` (the seeds of the minibatch orders, as :func:`retrained_target` takes them).
     """
@@ -250,6 +267,7 @@ def faithfulness(
                 "pearson": {name: pearson(np.array(p), mean_truth) for name, p in predictions.items()},
                 "reliability": reliability,
                 "ceiling": float(np.sqrt(max(reliability, 0.0))),
+                "noise_floor": noise_floor(truth_array),
                 "truth_std": float(mean_truth.std()),
             }
         )
@@ -285,6 +303,7 @@ def faithfulness(
         "pearson": {name: pearson(np.array(p), all_truth.mean(axis=1)) for name, p in rows_prediction.items()},
         "reliability": reliability,
         "ceiling": float(np.sqrt(max(reliability, 0.0))),
+        "noise_floor": noise_floor(all_truth),
         "extremes": extremes,
         "n_retrains": n_retrains,
         "drop_mode": drop_mode,
