@@ -12,8 +12,11 @@ its target gradient included). Reported per case: medians over repeats of both t
 clipped.
 
     OMP_NUM_THREADS=1 python benchmarks/inrun_cost.py --repeats 5 --label after --out benchmarks/results/inrun_cost.json
+    OMP_NUM_THREADS=1 python benchmarks/inrun_cost.py --parts --repeats 6 --label parts --out benchmarks/results/inrun_cost.json
 
-One torch thread, CPU only. ``--label`` names the entry of the JSON the run writes (other labels already in the
+With ``--parts`` each case times instead the update alone and with the scorer cut after each of its stages
+(:data:`PARTS`: the capture of the update's passes; the capture and each step's recording; the whole scorer), to
+show where its cost goes. One torch thread, CPU only. ``--label`` names the entry of the JSON the run writes (other labels already in the
 file are kept, so that a "before" and an "after" measurement sit side by side).
 """
 
@@ -74,16 +77,66 @@ def _model(env: str, max_grad_norm: float, rounds: int) -> Any:
     return model
 
 
-def _timed_update(model: Any, scored: bool, hooks: list[Any] | None = None) -> float:
-    """CPU seconds of the round's ``update()`` from θ(k), with the in-run scorer or without; state put back after."""
+class _CaptureOnly(OptimizerAwareScorer):
+    """The scorer's capture of the update's passes (forward hooks, kept output gradients) and nothing else."""
+
+    def _score_step(self, info: Any) -> None:
+        self._prepare(info.optimizer)
+        self._output_gradients()
+
+
+class _RecordOnly(OptimizerAwareScorer):
+    """The capture and each step's recording (gradients, optimizer state, layer calls), no batched scoring."""
+
+    def _score_pending(self, pending: Any, layout: Any, v: Any) -> None:
+        pass
+
+
+#: ``--parts``: the scorer cut after each of its stages, to see where its cost goes
+PARTS: dict[str, type[OptimizerAwareScorer]] = {
+    "capture": _CaptureOnly,
+    "capture + record": _RecordOnly,
+    "full": OptimizerAwareScorer,
+}
+
+
+def _timed_update(model: Any, scored: bool | type[OptimizerAwareScorer], hooks: list[Any] | None = None) -> float:
+    """
+    CPU seconds of the round's ``update()`` from θ(k), with the in-run scorer (``scored``: ``True`` or the scorer
+    class to use) or without; the state is put back after.
+    """
     round_ = model.current_round()
+    scorer = OptimizerAwareScorer if scored is True else scored
     with training_state(model):
         round_.start_state.restore(model, keep=False)
         sb3_compat.set_model_logger(model, Logger(folder=None, output_formats=[]))
         tic = time.process_time()
-        step_hooks = [OptimizerAwareScorer(model, ReturnTarget(), model.influence_batch_size)] if scored else []
+        step_hooks = [scorer(model, ReturnTarget(), model.influence_batch_size)] if scorer else []
         model.update(step_hooks=step_hooks + (hooks or []))
         return time.process_time() - tic
+
+
+def measure_parts(env: str, max_grad_norm: float, repeats: int, rounds: int) -> dict[str, Any]:
+    """
+    The update alone and with the scorer cut after each stage (:data:`PARTS`), in one process, each repeat in the
+    order alone, parts…, parts reversed…, alone. Medians over the repeats of each variant's excess over the update.
+
+    :return: Per variant: the median CPU seconds and the median excess in % of ``update()``.
+    """
+    model = _model(env, max_grad_norm, rounds)
+    variants: dict[str, Any] = {"alone": False, **PARTS}
+    for scorer in variants.values():
+        _timed_update(model, scorer)  # warm-up, not timed
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        order = list(variants)
+        for name in order + order[::-1]:
+            times[name].append(_timed_update(model, variants[name]))
+    alone = statistics.median(times["alone"])
+    return {
+        name: {"update_s": statistics.median(values), "excess_percent": 100 * (statistics.median(values) / alone - 1)}
+        for name, values in times.items()
+    }
 
 
 def measure_case(env: str, max_grad_norm: float, repeats: int, rounds: int) -> dict[str, Any]:
@@ -120,6 +173,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--label", default="current", help="name of this measurement in the JSON")
     parser.add_argument("--out", default=None, help="add the results to this JSON file")
+    parser.add_argument(
+        "--parts", action="store_true", help="time the scorer cut after each stage instead (capture, record, full)"
+    )
     args = parser.parse_args()
     th.set_num_threads(1)
     result: dict[str, Any] = {
@@ -136,6 +192,11 @@ def main() -> None:
         "cases": {},
     }
     for name in args.cases:
+        if args.parts:
+            case = measure_parts(**CASES[name], repeats=args.repeats, rounds=args.rounds)
+            result["cases"][name] = case
+            print(f"{name}: " + ", ".join(f"{part} {v['excess_percent']:+.1f} %" for part, v in case.items()), flush=True)
+            continue
         case = measure_case(**CASES[name], repeats=args.repeats, rounds=args.rounds)
         result["cases"][name] = case
         print(
