@@ -12,12 +12,13 @@ its target gradient included). Reported per case: medians over repeats of both t
 clipped.
 
     OMP_NUM_THREADS=1 python benchmarks/inrun_cost.py --repeats 5 --label after --out benchmarks/results/inrun_cost.json
-    OMP_NUM_THREADS=1 python benchmarks/inrun_cost.py --parts --repeats 6 --label parts --out benchmarks/results/inrun_cost.json
+    OMP_NUM_THREADS=1 python benchmarks/inrun_cost.py --parts --repeats 6 --label parts \
+        --out benchmarks/results/inrun_cost.json
 
 With ``--parts`` each case times instead the update alone and with the scorer cut after each of its stages
 (:data:`PARTS`: the capture of the update's passes; the capture and each step's recording; the whole scorer), to
-show where its cost goes. One torch thread, CPU only. ``--label`` names the entry of the JSON the run writes (other labels already in the
-file are kept, so that a "before" and an "after" measurement sit side by side).
+show where its cost goes. One torch thread, CPU only. ``--label`` names the entry of the JSON the run writes
+(other labels already in the file are kept, so that a "before" and an "after" measurement sit side by side).
 """
 
 import argparse
