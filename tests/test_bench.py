@@ -406,13 +406,13 @@ def test_stratified_bootstrap_and_rliable_metrics():
         stats.normalized_score(_fake_result("ppo", 0, [0.0, 1.0], [0.0, 1.0]), "FrozenLake", kind="best")
 
 
-def _fake_grid_run(out, env, setting, arm, seed, returns):
+def _fake_grid_run(out, env, setting, arm, seed, returns, variants=()):
     result = _fake_result(arm, seed, returns, range(len(returns)))
     for row in result["rows"]:
         row["cpu_time"] = float(row["round"])
-    result["config"].update(env=env, setting=setting, rounds=len(returns) - 1)
+    result["config"].update(env=env, setting=setting, rounds=len(returns) - 1, variants=list(variants))
     result["total_cpu_time"] = 36.0
-    bench.write_json(bench.result_path(out, env, setting, arm, seed), result)
+    bench.write_json(bench.result_path(out, env, setting, arm, seed, variants), result)
 
 
 def test_docs_page_marks_incomplete_cells(tmp_path):
@@ -495,9 +495,11 @@ def test_reading_flags_a_curve_score_that_disagrees_with_se_ave(tmp_path):
 def test_iif_aware_arm_runs_only_in_the_adam_settings(capsys):
     adam = ("adam3e-4", "adam1e-3", "sb3")
     assert bench.ARMS["iif-aware"].settings == adam and bench.ARMS["iif-aware"].iif_kwargs == {"optimizer_aware": True}
-    assert (
-        bench.arms_for("sgd", env="Acrobot") == ("ppo", "iif", "random") == bench.arms_for("sgd+drop-partial", env="Acrobot")
-    )
+    assert bench.arms_for("sgd", env="Acrobot") == ("ppo", "iif", "random")
+    # A variant cell compares IIF's variant with PPO; another arm runs there only when named
+    assert bench.arms_for("sgd+drop-partial", env="Acrobot") == bench.VARIANT_ARMS == ("ppo", "iif")
+    assert bench.arms_for("sgd+drop-partial", ["random"], env="Acrobot") == ("random",)
+    assert [j.arm for j in bench.grid(["Acrobot"], seeds=[0], settings=["sgd"], variants=["drop-partial"])] == ["ppo", "iif"]
     for setting in adam:
         assert bench.arms_for(setting, env="MiniGrid") == ("ppo", "iif", "random", "iif-aware")
     assert bench.arms_for("sb3", ["iif-aware", "ppo"]) == ("ppo", "iif-aware") and bench.arms_for("sgd", ["iif-aware"]) == ()
@@ -642,6 +644,40 @@ def test_docs_page_with_an_arm_that_applies_to_some_cells(tmp_path):
     assert "| MiniGrid sgd | dtv-loo | **slower** |" in text
     assert (tmp_path / "docs/fig/aggregate_iif-aware_final.png").exists()
     assert (tmp_path / "docs/fig/grid_MiniGrid_adam1e-3.png").exists()
+
+
+def test_variant_cell_needs_ppo_and_iif_and_joins_another_arm_once_it_ran(tmp_path):
+    pytest.importorskip("rliable.metrics", reason="install the bench extra: pip install -e '.[bench]'")
+    from sb3_influence.bench.page import generate_page
+
+    out, legacy = str(tmp_path / "grid"), str(tmp_path / "legacy")
+    curves = {"ppo": [-200.0, -100.0, 0.0, 100.0], "iif": [-200.0, -50.0, 50.0, 100.0]}
+    for seed in (0, 1):
+        for arm, returns in curves.items():
+            _fake_grid_run(out, "LunarLander", "sgd", arm, seed, returns, variants=["drop-partial"])
+    template = tmp_path / "page.md.in"
+    template.write_text("{{status}}\n\n{{reading}}\n\n{{variants}}")
+    output = tmp_path / "page.md"
+
+    def page():
+        report = generate_page(str(template), str(output), str(tmp_path / "fig"), out, legacy, seeds=(0, 1))
+        return report, output.read_text()
+
+    report, text = page()
+    assert "LunarLander sgd+drop-partial" in report["complete"]
+    # Against IIF without the variant: no reading until that cell has the seeds too
+    assert "| LunarLander sgd+drop-partial | iif | incomplete (with it 2/2, without 0/2 seeds)" in text
+    for seed in (0, 1):
+        # Without the variant IIF is slower on the curve than with it, and ends lower
+        _fake_grid_run(out, "LunarLander", "sgd", "iif", seed, [-200.0, -150.0, -50.0, 50.0 + seed])
+    report, text = page()
+    assert "| LunarLander sgd+drop-partial | iif | 1.00 [1.00, 1.00] | ahead | 1.00 [1.00, 1.00] | ahead |" in text
+    assert "| LunarLander | sgd+drop-partial | 150 | 2/2 | 2/2 | — | — | — | — | 0.04 | complete |" in text
+    # A random run in the variant cell joins it as a column, and the cell stays complete without its other seed
+    _fake_grid_run(out, "LunarLander", "sgd", "random", 0, [-200.0, -150.0, -100.0, 0.0], variants=["drop-partial"])
+    report, text = page()
+    assert "LunarLander sgd+drop-partial" in report["complete"]
+    assert "| LunarLander | sgd+drop-partial | 150 | 2/2 | 2/2 | 1/2 | — | — | — | 0.05 | complete |" in text
 
 
 def test_opt_in_arm_runs_only_where_named_and_joins_the_page_once_it_ran(tmp_path):

@@ -41,6 +41,7 @@ from sb3_influence.bench.protocol import (
     PAPER_ENVS,
     PPO_KWARGS,
     SETTINGS,
+    VARIANT_ARMS,
     VARIANTS,
     Arm,
     EnvSpec,
@@ -63,6 +64,7 @@ __all__ = [
     "PPO_KWARGS",
     "SETTINGS",
     "VARIANTS",
+    "VARIANT_ARMS",
     "Arm",
     "DropPartialMinibatch",
     "EnvSpec",
@@ -155,7 +157,8 @@ def _grid_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         choices=sorted(VARIANTS),
         metavar="VARIANT",
-        help=f"options that the authors' code differs in, from {', '.join(sorted(VARIANTS))}",
+        help=f"options that the authors' code differs in, from {', '.join(sorted(VARIANTS))}; a cell with variants "
+        f"runs {' and '.join(VARIANT_ARMS)} unless --arms names others",
     )
     parser.add_argument(
         "--rounds",

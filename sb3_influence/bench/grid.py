@@ -74,7 +74,7 @@ def grid(
 
     :param envs: Keys of :data:`~sb3_influence.bench.harness.ENVS`.
     :param arms: Keys of :data:`~sb3_influence.bench.harness.ARMS`; ``None``: every arm but the opt-in ones
-        (``Arm.opt_in``), each in the settings it applies to.
+        (``Arm.opt_in``), each in the settings it applies to; with ``variants``, ``VARIANT_ARMS``.
     :param seeds: Seeds.
     :param settings: Keys of :data:`~sb3_influence.bench.harness.SETTINGS`; ``None``: each environment's own
         protocol settings (``EnvSpec.settings``).
@@ -91,7 +91,7 @@ def grid(
     jobs = []
     for env in envs:
         for setting in ENVS[env].settings if settings is None else settings:
-            applicable = arms_for(setting, arms, env)
+            applicable = arms_for("+".join([setting, *sorted(variants)]), arms, env)
             first = [a for a in applicable if a == "ppo" or "ppo" in ARMS[a].versus]
             rest = [a for a in applicable if a not in first]
             for group in (first, rest):

@@ -52,6 +52,7 @@ BLOCKS = (
     "paper",
     "aggregate",
     "reading",
+    "variants",
     "curves",
     "partial_minibatches",
     "one_record_collapses",
@@ -75,12 +76,13 @@ class _Cell:
         self.label = f"{env}" if legacy else f"{env} {name}"
         # The superseded protocol ran the SGD setting with these arms
         self.required = ("ppo", "iif", "random") if legacy else arms_for(name, env=env)
-        # Opt-in arms (Arm.opt_in) join the cell once a run of theirs started in it
+        # Arms the cell does not need (opt-in arms, Arm.opt_in; in a variant cell, all but VARIANT_ARMS) join it
+        # once a run of theirs started in it
         setting, *variants = name.split("+")
         joined = set()
         for arm in [] if legacy else arms_for(name, list(ARMS), env):
             paths = (result_path(out, env, setting, arm, seed, variants) for seed in self.seeds)
-            if ARMS[arm].opt_in and (arm in self.runs or any(os.path.exists(path) for path in paths)):
+            if arm not in self.required and (arm in self.runs or any(os.path.exists(path) for path in paths)):
                 joined.add(arm)
         self.arms = tuple(arm for arm in ARMS if arm in self.required or arm in joined) if not legacy else self.required
 
@@ -390,6 +392,40 @@ def _reading(cells: list[_Cell]) -> str:
     return "\n".join(lines)
 
 
+def _variants(cells: list[_Cell]) -> str:
+    """
+    Per variant cell and filtering arm: the arm with the variant against the same arm in the cell without it
+    (same seeds), by the probability of improvement of the curve score and of the final score, each with its reading
+    (ahead or behind when the interval excludes 0.5).
+    """
+    from sb3_influence.bench.stats import probability_of_improvement
+
+    lines = [
+        "| cell | arm | curve: P(variant > without) [95 % CI] | reading | final: P(variant > without) [95 % CI] | reading |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = {(c.env, c.name): c for c in cells}
+    for cell in cells:
+        setting, *variants = cell.name.split("+")
+        if not variants or (cell.env, setting) not in base:
+            continue
+        without = base[(cell.env, setting)]
+        for arm in [a for a in cell.arms if ARMS[a].rule is not None]:
+            if not (cell.complete_for((arm,)) and without.complete_for((arm,))):
+                n = len(cell.seeds)
+                done = f"with it {len(cell.complete_seeds(arm))}/{n}, without {len(without.complete_seeds(arm))}/{n}"
+                lines.append(f"| {cell.label} | {arm} | incomplete ({done} seeds): no reading yet | — | — | — |")
+                continue
+            row = f"| {cell.label} | {arm} |"
+            for kind in ("curve", "final"):
+                poi = probability_of_improvement(_scores([cell], kind, (arm,))[arm], _scores([without], kind, (arm,))[arm])
+                low, high = poi["ci"]
+                reading = "ahead" if low > 0.5 else ("behind" if high < 0.5 else "no clear difference")
+                row += f" {poi['value']:.2f} [{low:.2f}, {high:.2f}] | {reading} |"
+            lines.append(row)
+    return "\n".join(lines) if len(lines) > 2 else "*No variant cell has results yet.*"
+
+
 def _partial_minibatches(cells: list[_Cell]) -> str:
     """How often a filtering arm's update ends with a partial minibatch, and how small it is (from kept fractions)."""
     lines = [
@@ -511,6 +547,7 @@ def generate_page(
         "paper": lambda: _paper(cells),
         "aggregate": lambda: _aggregate(cells, figures, relative, "aggregate", "grid"),
         "reading": lambda: _reading(cells),
+        "variants": lambda: _variants(cells),
         "curves": lambda: _curves(cells, figures, relative, "grid_"),
         "partial_minibatches": lambda: _partial_minibatches(old + [c for c in cells if c.runs]),
         "one_record_collapses": lambda: _one_record_collapses(old + [c for c in cells if c.runs]),

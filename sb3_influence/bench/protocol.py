@@ -278,13 +278,16 @@ def arms_for(setting: str, arms: Sequence[str] | None = None, env: str | None = 
     (jobs, status, cost estimates, statistics, plots) asks this.
 
     :param setting: A key of :data:`SETTINGS`, or a cell name with variants (``"sgd+drop-partial"``).
-    :param arms: Only these keys of :data:`ARMS` (default: all but the opt-in ones, ``Arm.opt_in``).
+    :param arms: Only these keys of :data:`ARMS` (default: all but the opt-in ones, ``Arm.opt_in``; in a cell
+        with variants, :data:`VARIANT_ARMS`).
     :param env: A key of :data:`ENVS`; ``None``: the arms of the setting in any environment.
     :return: The keys of the arms of ``arms`` that apply to ``setting`` (and ``env``).
     """
-    base = setting.split("+")[0]
+    base, *variants = setting.split("+")
     check_names(envs=[env] if env is not None else (), settings=[base], arms=arms or ())
-    wanted = {name for name, arm in ARMS.items() if not arm.opt_in} if arms is None else set(arms)
+    if arms is None:
+        default = VARIANT_ARMS if variants else tuple(name for name, arm in ARMS.items() if not arm.opt_in)
+    wanted = set(default if arms is None else arms)
     return tuple(name for name, arm in ARMS.items() if name in wanted and arm.applies_to(base, env))
 
 
@@ -312,6 +315,10 @@ class Variant:
     description: str
     filtering_only: bool
 
+
+#: The arms a cell with variants runs by default: the investigation compares IIF's variants with PPO (other arms
+#: run there only when named, and then join the cell's page like an opt-in arm)
+VARIANT_ARMS = ("ppo", "iif")
 
 VARIANTS: Mapping[str, Variant] = MappingProxyType(
     {
