@@ -48,6 +48,7 @@ from sb3_influence.bench.protocol import (
     OptimizerSetting,
     Variant,
     arms_for,
+    reuses_unfiltered,
     cell_name,
     result_path,
     run_kwargs,
@@ -93,6 +94,7 @@ __all__ = [
     "plot",
     "ppo_levels",
     "result_path",
+    "reuses_unfiltered",
     "run_config",
     "run_grid",
     "run_kwargs",
@@ -147,8 +149,9 @@ def _grid_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=list(ARMS),
         metavar="ARM",
-        help=f"arms, from {', '.join(ARMS)}; default: every arm, each in the optimizer settings it applies to "
-        f"({restricted}; the others: all)",
+        help=f"arms, from {', '.join(ARMS)}; default: every arm but the opt-in ones "
+        f"({', '.join(a for a, spec in ARMS.items() if spec.opt_in)}), each in the optimizer settings it applies to "
+        f"({restricted}; the others: all); with --variants, {' and '.join(VARIANT_ARMS)}",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="seeds")
     parser.add_argument(

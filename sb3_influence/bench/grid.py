@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from sb3_influence.bench.harness import checkpoint_path, resume_round, run_config, run_one, write_json
-from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, arms_for, check_names, result_path
+from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, arms_for, cell_name, check_names, result_path
 from sb3_influence.common.progress import Progress
 
 # Seconds between two looks at the result files of the running runs (while waiting for a run to end)
@@ -91,7 +91,7 @@ def grid(
     jobs = []
     for env in envs:
         for setting in ENVS[env].settings if settings is None else settings:
-            applicable = arms_for("+".join([setting, *sorted(variants)]), arms, env)
+            applicable = arms_for(cell_name(setting, variants), arms, env)
             first = [a for a in applicable if a == "ppo" or "ppo" in ARMS[a].versus]
             rest = [a for a in applicable if a not in first]
             for group in (first, rest):

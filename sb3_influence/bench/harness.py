@@ -20,12 +20,12 @@ from sb3_influence.bench.protocol import (
     ARMS,
     ENVS,
     PPO_KWARGS,
-    VARIANTS,
     EnvSpec,
     cell_name,
     check_applies,
     check_names,
     result_path,
+    reuses_unfiltered,
     run_kwargs,
 )
 
@@ -127,7 +127,7 @@ def make_callback(arm: str, fraction: float, variants: Sequence[str] = ()) -> An
 
     :param arm: A key of :data:`ARMS`.
     :param fraction: The drop fraction ``p``.
-    :param variants: Keys of :data:`VARIANTS`.
+    :param variants: Keys of :data:`~sb3_influence.bench.protocol.VARIANTS`.
     :return: A callback or ``None``.
     """
     if arm not in ARMS:
@@ -246,7 +246,7 @@ def run_one(
     :param seed: Seed (training env, initial weights); evaluation uses ``10_000 + seed`` in every arm.
     :param out: Results directory.
     :param setting: A key of :data:`SETTINGS`.
-    :param variants: Keys of :data:`VARIANTS`.
+    :param variants: Keys of :data:`~sb3_influence.bench.protocol.VARIANTS`.
     :param rounds: Number of rounds (default: the paper's budget of environment steps).
     :param eval_episodes: Stochastic evaluation episodes per evaluation (ignored for exact evaluation).
     :param checkpoint_every: Save the model under ``<out>/raw/`` every this many rounds (to resume).
@@ -276,8 +276,7 @@ def _load(path: str) -> dict[str, Any] | None:
 def _reuse_unfiltered(config: dict[str, Any], out: str, eval_episodes: int) -> dict[str, Any] | None:
     """The finished run of an arm without a rule in the cell without the variants, when the variants only change
     filtering (so training would repeat it bit for bit); ``None`` otherwise."""
-    variants = config["variants"]
-    if ARMS[config["arm"]].rule is not None or not variants or not all(VARIANTS[v].filtering_only for v in variants):
+    if not reuses_unfiltered(config["arm"], config["variants"]):
         return None
     base_config = run_config(
         config["env"], config["setting"], config["arm"], config["seed"], (), config["rounds"], eval_episodes

@@ -16,7 +16,17 @@ from typing import Any
 import numpy as np
 
 from sb3_influence.bench.grid import Job, cpu_hours, grid
-from sb3_influence.bench.protocol import ARMS, ENVS, EXTRA_ENVS, PAPER_ENVS, SETTINGS, arms_for, result_path, run_kwargs
+from sb3_influence.bench.protocol import (
+    ARMS,
+    ENVS,
+    EXTRA_ENVS,
+    PAPER_ENVS,
+    SETTINGS,
+    arms_for,
+    result_path,
+    reuses_unfiltered,
+    run_kwargs,
+)
 from sb3_influence.bench.summary import load_runs, markdown_table, percent, plot, summarize
 
 # The paper's IIF numbers (Hu et al. 2025): SE_ave, SE_peak, RT_peak as (mean, s.e.) in percent (Sec. 5 main
@@ -202,9 +212,22 @@ def _run_cost(cell: _Cell, probes: dict[str, Any]) -> tuple[float, str]:
     return float("nan"), "not measured"
 
 
+def _variants_of(cell: _Cell) -> list[str]:
+    return [] if cell.legacy else cell.name.split("+")[1:]
+
+
+def _cell_cost(cell: _Cell, arm: str) -> float:
+    """How many runs of cost 1 an arm's run in the cell is: 0 where it is reused from the cell without variants."""
+    return 0.0 if arm in ARMS and reuses_unfiltered(arm, _variants_of(cell)) else _arm_cost(arm)
+
+
 def _arms_cell(cell: _Cell) -> str:
-    """The number of arms of a cell, and the arms that count as more than one run."""
-    costly = [f"{arm} ×{ARMS[arm].cost:g}" for arm in cell.arms if ARMS[arm].cost != 1]
+    """The number of arms of a cell, and the arms that count as more or less than one run."""
+    costly = [
+        f"{arm} reused" if _cell_cost(cell, arm) == 0 else f"{arm} ×{ARMS[arm].cost:g}"
+        for arm in cell.arms
+        if _cell_cost(cell, arm) != 1
+    ]
     return f"{len(cell.arms)}" + (f" ({', '.join(costly)})" if costly else "")
 
 
@@ -222,7 +245,7 @@ def _cost(cells: list[_Cell], probe_path: str) -> str:
     total = 0.0
     for cell in cells:
         per_run, source = _run_cost(cell, probes)
-        per_cell = per_run * sum(_arm_cost(arm) for arm in cell.arms) * len(cell.seeds)
+        per_cell = per_run * sum(_cell_cost(cell, arm) for arm in cell.arms) * len(cell.seeds)
         total += per_cell if np.isfinite(per_cell) else 0.0
         arms = _arms_cell(cell)
         shown = f"{per_run:.2f} | {arms} | {per_cell:.1f}" if np.isfinite(per_run) else f"— | {arms} | —"
@@ -284,11 +307,14 @@ def _aggregate_groups(cells: list[_Cell]) -> list[tuple[list[_Cell], tuple[str, 
     The task sets of the aggregate statistics: the cells where the arms that apply everywhere (``Arm.settings`` and
     ``Arm.envs`` ``None``) are complete, with those arms; then, for the arms that apply to only some cells, the cells where
     every arm that applies is complete (arms with the same cells together). A restricted arm still running does
-    not hold back the other arms' statistics.
+    not hold back the other arms' statistics. Cells with variants are left out.
 
     :return: ``(cells, arms, new)`` per task set: its cells, the arms that apply to all of them, and the arms whose
         comparisons (``Arm.versus``) it reports (all of them in the first set, the restricted ones after).
     """
+    # One task per environment × setting: a cell with variants would count its environment twice (and reuses the
+    # runs of the cell without them); the variants table compares those cells
+    cells = [cell for cell in cells if not _variants_of(cell)]
     common = tuple(arm for arm, spec in ARMS.items() if spec.settings is None and spec.envs is None and not spec.opt_in)
     base = [cell for cell in cells if cell.complete_for(common)]
     groups = [(base, common, common)] if base else []

@@ -284,10 +284,11 @@ def arms_for(setting: str, arms: Sequence[str] | None = None, env: str | None = 
     :return: The keys of the arms of ``arms`` that apply to ``setting`` (and ``env``).
     """
     base, *variants = setting.split("+")
-    check_names(envs=[env] if env is not None else (), settings=[base], arms=arms or ())
-    if arms is None:
-        default = VARIANT_ARMS if variants else tuple(name for name, arm in ARMS.items() if not arm.opt_in)
-    wanted = set(default if arms is None else arms)
+    check_names(envs=[env] if env is not None else (), settings=[base], arms=arms or (), variants=variants)
+    if arms is not None:
+        wanted = set(arms)
+    else:
+        wanted = set(VARIANT_ARMS) if variants else {name for name, arm in ARMS.items() if not arm.opt_in}
     return tuple(name for name, arm in ARMS.items() if name in wanted and arm.applies_to(base, env))
 
 
@@ -314,6 +315,13 @@ class Variant:
 
     description: str
     filtering_only: bool
+
+
+def reuses_unfiltered(arm: str, variants: Sequence[str]) -> bool:
+    """Whether the run of ``arm`` with ``variants`` is the one without them, bit for bit: the arm drops no record and
+    every variant only changes filtering (``Variant.filtering_only``), so it is reused from the cell without them."""
+    check_names(arms=[arm], variants=variants)
+    return ARMS[arm].rule is None and bool(variants) and all(VARIANTS[v].filtering_only for v in variants)
 
 
 #: The arms a cell with variants runs by default: the investigation compares IIF's variants with PPO (other arms
