@@ -224,6 +224,23 @@ def test_drop_partial_variant_leaves_whole_minibatches(tmp_path):
     assert os.path.exists(bench.result_path(out, "CartPole", "sgd", "iif", 2, ["drop-partial"]))
 
 
+def test_a_run_that_would_not_start_from_its_ppo_runs_weights_fails_before_training(tmp_path):
+    out = str(tmp_path)
+    ppo = bench.run_one("CartPole", "ppo", 3, out, rounds=1, eval_episodes=1)
+    versions = ppo["versions"]
+    assert set(versions) == {"torch", "stable-baselines3", "gymnasium", "numpy"} and all(versions.values())
+    # The PPO run made under other package versions (other initial weights for the same seed)
+    path = bench.result_path(out, "CartPole", "sgd", "ppo", 3)
+    bench.write_json(path, {**ppo, "init_hash": "0" * 16, "versions": {**versions, "stable-baselines3": "0.0"}})
+    for variants in ([], ["drop-partial"]):
+        with pytest.raises(RuntimeError, match=r"other initial weights.*'stable-baselines3': '0.0'.*run PPO again"):
+            bench.run_one("CartPole", "iif", 3, out, variants=variants, rounds=1, eval_episodes=1)
+        assert not os.path.exists(bench.result_path(out, "CartPole", "sgd", "iif", 3, variants))
+    # With the PPO run of the same weights it runs
+    bench.write_json(path, ppo)
+    assert bench.run_one("CartPole", "iif", 3, out, rounds=1, eval_episodes=1)["init_hash"] == ppo["init_hash"]
+
+
 def test_first_unfiltered_variant_takes_ppos_first_update(tmp_path):
     out = str(tmp_path)
     ppo = bench.run_one("CartPole", "ppo", 1, out, rounds=2, eval_episodes=3)

@@ -273,6 +273,38 @@ def _load(path: str) -> dict[str, Any] | None:
         return json.load(file)
 
 
+def package_versions() -> dict[str, str]:
+    """The versions of the packages a run's initial weights and training depend on (stored in its result file)."""
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("torch", "stable-baselines3", "gymnasium", "numpy")}
+
+
+def check_same_start(config: dict[str, Any], out: str, init_hash: str) -> None:
+    """
+    Raise ``RuntimeError`` before any training when the PPO run this run is compared with (same env, setting and
+    seed; in a variant cell, the one it reuses when there is none) started from other initial weights: the
+    comparison would be refused at the end, after hours of CPU.
+    """
+    if config["arm"] == "ppo" and not config["variants"]:
+        return
+    env, setting, seed, variants = config["env"], config["setting"], config["seed"], config["variants"]
+    for path in dict.fromkeys(
+        [result_path(out, env, setting, "ppo", seed, variants), result_path(out, env, setting, "ppo", seed)]
+    ):
+        base = _load(path)
+        if base is None or path == result_path(out, env, setting, config["arm"], seed, variants):
+            continue
+        if base.get("init_hash") != init_hash:
+            raise RuntimeError(
+                f"{config['arm']} seed {seed} of {env} {cell_name(setting, variants)} would start from other initial "
+                f"weights (hash {init_hash}) than the PPO run it is compared with, {path} (hash {base.get('init_hash')}): "
+                f"the installed packages differ from that run's (its versions: {base.get('versions', 'not recorded')}; "
+                f"now: {package_versions()}). Install the same versions, or delete {path} and run PPO again too."
+            )
+        return
+
+
 def _reuse_unfiltered(config: dict[str, Any], out: str, eval_episodes: int) -> dict[str, Any] | None:
     """The finished run of an arm without a rule in the cell without the variants, when the variants only change
     filtering (so training would repeat it bit for bit); ``None`` otherwise."""
@@ -314,9 +346,18 @@ def _run_one(
     overrides = {key: config[key] for key in ("n_envs", *PPO_KWARGS, "learning_rate", "max_grad_norm")}
     model = make_model(spec, seed, setting, **overrides)
     eval_env = make_eval_env(spec, eval_episodes, eval_seed)
-    result: dict[str, Any] = {"config": config, "init_hash": parameter_hash(model), "complete": False, "rows": []}
+    init_hash = parameter_hash(model)
+    result: dict[str, Any] = {
+        "config": config,
+        "init_hash": init_hash,
+        "versions": package_versions(),
+        "complete": False,
+        "rows": [],
+    }
     start = 1
     done = resume_round(previous, config, checkpoint)
+    if done == 0:
+        check_same_start(config, out, init_hash)
     if previous is not None and done > 0:
         model = InfluencePPO.load(checkpoint, env=model.get_env())
         # A resumed run is reproducible, but not the same as an uninterrupted one (fresh RNG streams)
