@@ -231,14 +231,29 @@ def test_a_run_that_would_not_start_from_its_ppo_runs_weights_fails_before_train
     assert set(versions) == {"torch", "stable-baselines3", "gymnasium", "numpy"} and all(versions.values())
     # The PPO run made under other package versions (other initial weights for the same seed)
     path = bench.result_path(out, "CartPole", "sgd", "ppo", 3)
-    bench.write_json(path, {**ppo, "init_hash": "0" * 16, "versions": {**versions, "stable-baselines3": "0.0"}})
+    other = {**ppo, "init_hash": "0" * 16, "versions": {**versions, "stable-baselines3": "0.0"}}
+    other["init_fingerprint"] = [value + 0.1 for value in ppo["init_fingerprint"]]
+    bench.write_json(path, other)
     for variants in ([], ["drop-partial"]):
         with pytest.raises(RuntimeError, match=r"other initial weights.*'stable-baselines3': '0.0'.*run PPO again"):
             bench.run_one("CartPole", "iif", 3, out, variants=variants, rounds=1, eval_episodes=1)
         assert not os.path.exists(bench.result_path(out, "CartPole", "sgd", "iif", 3, variants))
-    # With the PPO run of the same weights it runs
-    bench.write_json(path, ppo)
+    # Without a fingerprint, another hash is another start
+    bench.write_json(path, {key: value for key, value in ppo.items() if key != "init_fingerprint"} | {"init_hash": "0"})
+    with pytest.raises(RuntimeError, match="without 'init_fingerprint'"):
+        bench.run_one("CartPole", "iif", 3, out, rounds=1, eval_episodes=1)
+    # The same weights up to a few ulps (another CPU's kernels): another hash, the same start
+    import torch as th
+
+    model = bench.make_model(bench.ENVS["CartPole"], 3)
+    with th.no_grad():
+        for parameter in model.policy.parameters():
+            parameter.copy_(th.nextafter(parameter, th.full_like(parameter, 1.0)))
+    ulps = {"init_hash": bench.parameter_hash(model), "init_fingerprint": bench.parameter_fingerprint(model)}
+    assert ulps["init_hash"] != ppo["init_hash"]
+    bench.write_json(path, {**ppo, **ulps})
     assert bench.run_one("CartPole", "iif", 3, out, rounds=1, eval_episodes=1)["init_hash"] == ppo["init_hash"]
+    assert bench.summarize(os.path.join(out, "CartPole", "sgd"), "CartPole")["iif"]["per_seed"]
 
 
 def test_first_unfiltered_variant_takes_ppos_first_update(tmp_path):

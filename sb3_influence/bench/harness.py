@@ -28,6 +28,7 @@ from sb3_influence.bench.protocol import (
     reuses_unfiltered,
     run_kwargs,
 )
+from sb3_influence.bench.summary import same_start
 
 
 def make_env(spec: EnvSpec, n_envs: int, seed: int) -> Any:
@@ -155,6 +156,16 @@ def parameter_hash(model: Any) -> str:
     return digest.hexdigest()[:16]
 
 
+def parameter_fingerprint(model: Any) -> list[float]:
+    """Per parameter tensor of the policy, the float64 sum, sum of absolute values and sum of squares: equal up to
+    rounding for weights that differ by a few ulps (another machine's kernels), far apart for another seed's."""
+    values = []
+    for tensor in model.policy.state_dict().values():
+        array = tensor.detach().cpu().double()
+        values += [float(array.sum()), float(array.abs().sum()), float((array**2).sum())]
+    return values
+
+
 def checkpoint_path(out: str, env: str, setting: str, arm: str, seed: int, variants: Sequence[str] = ()) -> str:
     """Where a run keeps its model between rounds: ``<out>/raw/<env>/<cell>/<arm>_seed<seed>.zip``."""
     return os.path.join(out, "raw", env, cell_name(setting, variants), f"{arm}_seed{seed}.zip")
@@ -280,11 +291,13 @@ def package_versions() -> dict[str, str]:
     return {name: version(name) for name in ("torch", "stable-baselines3", "gymnasium", "numpy")}
 
 
-def check_same_start(config: dict[str, Any], out: str, init_hash: str) -> None:
+def check_same_start(config: dict[str, Any], out: str, start: dict[str, Any]) -> None:
     """
     Raise ``RuntimeError`` before any training when the PPO run this run is compared with (same env, setting and
-    seed; in a variant cell, the one it reuses when there is none) started from other initial weights: the
-    comparison would be refused at the end, after hours of CPU.
+    seed; in a variant cell, the one it reuses when there is none) started from other initial weights
+    (:func:`~sb3_influence.bench.summary.same_start`): the comparison would be refused at the end, after hours of CPU.
+
+    :param start: This run's ``init_hash`` and ``init_fingerprint``.
     """
     if config["arm"] == "ppo" and not config["variants"]:
         return
@@ -295,12 +308,15 @@ def check_same_start(config: dict[str, Any], out: str, init_hash: str) -> None:
         base = _load(path)
         if base is None or path == result_path(out, env, setting, config["arm"], seed, variants):
             continue
-        if base.get("init_hash") != init_hash:
+        if not same_start(base, start):
+            init_hash = start["init_hash"]
             raise RuntimeError(
                 f"{config['arm']} seed {seed} of {env} {cell_name(setting, variants)} would start from other initial "
                 f"weights (hash {init_hash}) than the PPO run it is compared with, {path} (hash {base.get('init_hash')}): "
-                f"the installed packages differ from that run's (its versions: {base.get('versions', 'not recorded')}; "
-                f"now: {package_versions()}). Install the same versions, or delete {path} and run PPO again too."
+                f"the installed packages or the machine differ from that run's (its versions: "
+                f"{base.get('versions', 'not recorded')}; now: {package_versions()}; a file without 'init_fingerprint' "
+                f"is matched by its hash only, which another CPU's kernels change by a few ulps). Delete {path} and run "
+                "PPO again too, so that both arms start from the same weights."
             )
         return
 
@@ -346,10 +362,10 @@ def _run_one(
     overrides = {key: config[key] for key in ("n_envs", *PPO_KWARGS, "learning_rate", "max_grad_norm")}
     model = make_model(spec, seed, setting, **overrides)
     eval_env = make_eval_env(spec, eval_episodes, eval_seed)
-    init_hash = parameter_hash(model)
+    start_weights = {"init_hash": parameter_hash(model), "init_fingerprint": parameter_fingerprint(model)}
     result: dict[str, Any] = {
         "config": config,
-        "init_hash": init_hash,
+        **start_weights,
         "versions": package_versions(),
         "complete": False,
         "rows": [],
@@ -357,7 +373,7 @@ def _run_one(
     start = 1
     done = resume_round(previous, config, checkpoint)
     if done == 0:
-        check_same_start(config, out, init_hash)
+        check_same_start(config, out, start_weights)
     if previous is not None and done > 0:
         model = InfluencePPO.load(checkpoint, env=model.get_env())
         # A resumed run is reproducible, but not the same as an uninterrupted one (fresh RNG streams)
