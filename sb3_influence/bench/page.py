@@ -86,12 +86,13 @@ class _Cell:
         self.label = f"{env}" if legacy else f"{env} {name}"
         # The superseded protocol ran the SGD setting with these arms
         self.required = ("ppo", "iif", "random") if legacy else arms_for(name, env=env)
+        # The optimizer setting and the variants of the cell's folder name ("sgd+drop-partial")
+        self.setting, *self.variants = name.split("+")
         # Arms the cell does not need (opt-in arms, Arm.opt_in; in a variant cell, all but VARIANT_ARMS) join it
         # once a run of theirs started in it
-        setting, *variants = name.split("+")
         joined = set()
         for arm in [] if legacy else arms_for(name, list(ARMS), env):
-            paths = (result_path(out, env, setting, arm, seed, variants) for seed in self.seeds)
+            paths = (result_path(out, env, self.setting, arm, seed, self.variants) for seed in self.seeds)
             if arm not in self.required and (arm in self.runs or any(os.path.exists(path) for path in paths)):
                 joined.add(arm)
         self.arms = tuple(arm for arm in ARMS if arm in self.required or arm in joined) if not legacy else self.required
@@ -131,8 +132,7 @@ def _cells(out: str, seeds: Sequence[int]) -> list[_Cell]:
 
 
 def _jobs(cell: _Cell) -> list[Job]:
-    setting, *variants = cell.name.split("+")
-    return grid([cell.env], list(cell.arms), cell.seeds, [setting], variants)
+    return grid([cell.env], list(cell.arms), cell.seeds, [cell.setting], cell.variants)
 
 
 def _partial(cell: _Cell, arm: str) -> str:
@@ -158,8 +158,7 @@ def _status(cells: list[_Cell], out: str) -> str:
         "|---|---|---|" + "---|" * len(shown) + "---|---|",
     ]
     for cell in cells:
-        setting, *variants = cell.name.split("+")
-        rounds = run_kwargs(ENVS[cell.env], setting, variants)["rounds"]
+        rounds = run_kwargs(ENVS[cell.env], cell.setting, cell.variants)["rounds"]
         state = "complete" if cell.complete else ("not started" if not cell.runs and not _any_file(cell) else "incomplete")
         hours = cpu_hours(_jobs(cell), out)
         lines.append(
@@ -205,20 +204,15 @@ def _run_cost(cell: _Cell, probes: dict[str, Any]) -> tuple[float, str]:
         return float(np.mean(partial)) / 3600, f"extrapolated from {len(partial)} unfinished runs"
     probe = probes.get(f"{cell.env} {cell.name}")
     if probe is not None:
-        setting, *variants = cell.name.split("+")
-        rounds = run_kwargs(ENVS[cell.env], setting, variants)["rounds"]
+        rounds = run_kwargs(ENVS[cell.env], cell.setting, cell.variants)["rounds"]
         evals = rounds // ENVS[cell.env].eval_every + 1
         return (probe["round_cpu_s"] * rounds + probe["eval_cpu_s"] * evals) / 3600, "probe: 1 IIF round + 1 evaluation"
     return float("nan"), "not measured"
 
 
-def _variants_of(cell: _Cell) -> list[str]:
-    return [] if cell.legacy else cell.name.split("+")[1:]
-
-
 def _cell_cost(cell: _Cell, arm: str) -> float:
     """How many runs of cost 1 an arm's run in the cell is: 0 where it is reused from the cell without variants."""
-    return 0.0 if arm in ARMS and reuses_unfiltered(arm, _variants_of(cell)) else _arm_cost(arm)
+    return 0.0 if arm in ARMS and reuses_unfiltered(arm, cell.variants) else _arm_cost(arm)
 
 
 def _arms_cell(cell: _Cell) -> str:
@@ -314,7 +308,7 @@ def _aggregate_groups(cells: list[_Cell]) -> list[tuple[list[_Cell], tuple[str, 
     """
     # One task per environment × setting: a cell with variants would count its environment twice (and reuses the
     # runs of the cell without them); the variants table compares those cells
-    cells = [cell for cell in cells if not _variants_of(cell)]
+    cells = [cell for cell in cells if not cell.variants]
     common = tuple(arm for arm, spec in ARMS.items() if spec.settings is None and spec.envs is None and not spec.opt_in)
     base = [cell for cell in cells if cell.complete_for(common)]
     groups = [(base, common, common)] if base else []
@@ -432,10 +426,9 @@ def _variants(cells: list[_Cell]) -> str:
     ]
     base = {(c.env, c.name): c for c in cells}
     for cell in cells:
-        setting, *variants = cell.name.split("+")
-        if not variants or (cell.env, setting) not in base:
+        if not cell.variants or (cell.env, cell.setting) not in base:
             continue
-        without = base[(cell.env, setting)]
+        without = base[(cell.env, cell.setting)]
         for arm in [a for a in cell.arms if ARMS[a].rule is not None]:
             if not (cell.complete_for((arm,)) and without.complete_for((arm,))):
                 n = len(cell.seeds)
