@@ -238,6 +238,10 @@ def test_a_run_that_would_not_start_from_its_ppo_runs_weights_fails_before_train
         with pytest.raises(RuntimeError, match=r"other initial weights.*'stable-baselines3': '0.0'.*run PPO again"):
             bench.run_one("CartPole", "iif", 3, out, variants=variants, rounds=1, eval_episodes=1)
         assert not os.path.exists(bench.result_path(out, "CartPole", "sgd", "iif", 3, variants))
+    # A variant that changes PPO too runs its own PPO: the cell without the variant is not its partner
+    for arm in ("ppo", "iif"):
+        assert bench.run_one("CartPole", arm, 3, out, variants=["clip0.5"], rounds=1, eval_episodes=1)["complete"]
+    assert bench.summarize(os.path.join(out, "CartPole", "sgd+clip0.5"), "CartPole")["iif"]["per_seed"]
     # Without a fingerprint, another hash is another start
     bench.write_json(path, {key: value for key, value in ppo.items() if key != "init_fingerprint"} | {"init_hash": "0"})
     with pytest.raises(RuntimeError, match="without 'init_fingerprint'"):

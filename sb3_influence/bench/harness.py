@@ -293,32 +293,32 @@ def package_versions() -> dict[str, str]:
 
 def check_same_start(config: dict[str, Any], out: str, start: dict[str, Any]) -> None:
     """
-    Raise ``RuntimeError`` before any training when the PPO run this run is compared with (same env, setting and
-    seed; in a variant cell, the one it reuses when there is none) started from other initial weights
+    Raise ``RuntimeError`` before any training when the PPO run this run is compared with (same cell and seed; in a
+    variant cell whose PPO run is reused, :func:`~sb3_influence.bench.protocol.reuses_unfiltered`, the one of the cell
+    without the variants until it is) started from other initial weights
     (:func:`~sb3_influence.bench.summary.same_start`): the comparison would be refused at the end, after hours of CPU.
+    A PPO run is nobody's follower, and a run whose PPO partner has not started yet is checked at the end only.
 
     :param start: This run's ``init_hash`` and ``init_fingerprint``.
     """
-    if config["arm"] == "ppo" and not config["variants"]:
+    if config["arm"] == "ppo":
         return
     env, setting, seed, variants = config["env"], config["setting"], config["seed"], config["variants"]
-    for path in dict.fromkeys(
-        [result_path(out, env, setting, "ppo", seed, variants), result_path(out, env, setting, "ppo", seed)]
-    ):
-        base = _load(path)
-        if base is None or path == result_path(out, env, setting, config["arm"], seed, variants):
-            continue
-        if not same_start(base, start):
-            init_hash = start["init_hash"]
-            raise RuntimeError(
-                f"{config['arm']} seed {seed} of {env} {cell_name(setting, variants)} would start from other initial "
-                f"weights (hash {init_hash}) than the PPO run it is compared with, {path} (hash {base.get('init_hash')}): "
-                f"the installed packages or the machine differ from that run's (its versions: "
-                f"{base.get('versions', 'not recorded')}; now: {package_versions()}; a file without 'init_fingerprint' "
-                f"is matched by its hash only, which another CPU's kernels change by a few ulps). Delete {path} and run "
-                "PPO again too, so that both arms start from the same weights."
-            )
-        return
+    path = result_path(out, env, setting, "ppo", seed, variants)
+    if not os.path.exists(path) and reuses_unfiltered("ppo", variants):
+        # The cell's PPO run will be the one of the cell without the variants
+        path = result_path(out, env, setting, "ppo", seed)
+    base = _load(path)
+    if base is not None and not same_start(base, start):
+        init_hash = start["init_hash"]
+        raise RuntimeError(
+            f"{config['arm']} seed {seed} of {env} {cell_name(setting, variants)} would start from other initial "
+            f"weights (hash {init_hash}) than the PPO run it is compared with, {path} (hash {base.get('init_hash')}): "
+            f"the installed packages or the machine differ from that run's (its versions: "
+            f"{base.get('versions', 'not recorded')}; now: {package_versions()}; a file without 'init_fingerprint' "
+            f"is matched by its hash only, which another CPU's kernels change by a few ulps). Delete {path} and run "
+            "PPO again too, so that both arms start from the same weights."
+        )
 
 
 def _reuse_unfiltered(config: dict[str, Any], out: str, eval_episodes: int) -> dict[str, Any] | None:
@@ -424,6 +424,7 @@ def _run_one(
             row["eval_cpu_time"] = time.process_time() - tic
         result["rows"].append(row)
         if round_ % checkpoint_every == 0 and round_ < rounds:
+            os.makedirs(os.path.dirname(checkpoint), exist_ok=True)
             model.save(checkpoint)
             result["checkpoint_round"] = round_
         result["complete"] = round_ == rounds
