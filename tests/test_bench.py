@@ -234,14 +234,16 @@ def test_a_run_that_would_not_start_from_its_ppo_runs_weights_fails_before_train
     other = {**ppo, "init_hash": "0" * 16, "versions": {**versions, "stable-baselines3": "0.0"}}
     other["init_fingerprint"] = [value + 0.1 for value in ppo["init_fingerprint"]]
     bench.write_json(path, other)
-    for variants in ([], ["drop-partial"]):
-        with pytest.raises(RuntimeError, match=r"other initial weights.*'stable-baselines3': '0.0'.*run PPO again"):
-            bench.run_one("CartPole", "iif", 3, out, variants=variants, rounds=1, eval_episodes=1)
-        assert not os.path.exists(bench.result_path(out, "CartPole", "sgd", "iif", 3, variants))
-    # A variant that changes PPO too runs its own PPO: the cell without the variant is not its partner
-    for arm in ("ppo", "iif"):
-        assert bench.run_one("CartPole", arm, 3, out, variants=["clip0.5"], rounds=1, eval_episodes=1)["complete"]
-    assert bench.summarize(os.path.join(out, "CartPole", "sgd+clip0.5"), "CartPole")["iif"]["per_seed"]
+    with pytest.raises(RuntimeError, match=r"other initial weights.*'stable-baselines3': '0.0'.*run PPO again"):
+        bench.run_one("CartPole", "iif", 3, out, rounds=1, eval_episodes=1)
+    assert not os.path.exists(bench.result_path(out, "CartPole", "sgd", "iif", 3))
+    # A variant cell pairs with its own PPO run: trained there, whether the variant changes PPO (clip0.5) or only
+    # filtering (drop-partial: the run without the variant is reused only where it started from the same weights)
+    for variants in (["clip0.5"], ["drop-partial"]):
+        for arm in ("iif", "ppo"):
+            result = bench.run_one("CartPole", arm, 3, out, variants=variants, rounds=1, eval_episodes=1)
+            assert result["complete"] and "reused_from" not in result and result["init_hash"] == ppo["init_hash"]
+        assert bench.summarize(os.path.join(out, "CartPole", bench.cell_name("sgd", variants)), "CartPole")["iif"]
     # Without a fingerprint, another hash is another start
     bench.write_json(path, {key: value for key, value in ppo.items() if key != "init_fingerprint"} | {"init_hash": "0"})
     with pytest.raises(RuntimeError, match="without 'init_fingerprint'"):
@@ -274,7 +276,8 @@ def test_first_unfiltered_variant_takes_ppos_first_update(tmp_path):
     # Clipping changes PPO too: not reused
     with pytest.raises(ValueError, match="unknown variant"):
         bench.run_one("CartPole", "ppo", 1, out, variants=["clip"], rounds=2, eval_episodes=3)
-    assert not bench.harness._reuse_unfiltered(bench.run_config("CartPole", "sgd", "ppo", 1, ["clip0.5"], 2, 3), out, 3)
+    start = {key: ppo[key] for key in ("init_hash", "init_fingerprint")}
+    assert not bench.harness._reuse_unfiltered(bench.run_config("CartPole", "sgd", "ppo", 1, ["clip0.5"], 2, 3), out, 3, start)
 
 
 def test_settings_and_variants_make_the_run_kwargs():

@@ -293,11 +293,11 @@ def package_versions() -> dict[str, str]:
 
 def check_same_start(config: dict[str, Any], out: str, start: dict[str, Any]) -> None:
     """
-    Raise ``RuntimeError`` before any training when the PPO run this run is compared with (same cell and seed; in a
-    variant cell whose PPO run is reused, :func:`~sb3_influence.bench.protocol.reuses_unfiltered`, the one of the cell
-    without the variants until it is) started from other initial weights
-    (:func:`~sb3_influence.bench.summary.same_start`): the comparison would be refused at the end, after hours of CPU.
-    A PPO run is nobody's follower, and a run whose PPO partner has not started yet is checked at the end only.
+    Raise ``RuntimeError`` before any training when the cell's PPO run of the same seed, which this run is compared
+    with, started from other initial weights (:func:`~sb3_influence.bench.summary.same_start`): the comparison would
+    be refused at the end, after hours of CPU. A PPO run is nobody's follower; where the cell has no PPO run yet, its
+    PPO run will start where this one does (trained here, or reused only from a run that started there,
+    :func:`_reuse_unfiltered`).
 
     :param start: This run's ``init_hash`` and ``init_fingerprint``.
     """
@@ -305,9 +305,6 @@ def check_same_start(config: dict[str, Any], out: str, start: dict[str, Any]) ->
         return
     env, setting, seed, variants = config["env"], config["setting"], config["seed"], config["variants"]
     path = result_path(out, env, setting, "ppo", seed, variants)
-    if not os.path.exists(path) and reuses_unfiltered("ppo", variants):
-        # The cell's PPO run will be the one of the cell without the variants
-        path = result_path(out, env, setting, "ppo", seed)
     base = _load(path)
     if base is not None and not same_start(base, start):
         init_hash = start["init_hash"]
@@ -321,9 +318,17 @@ def check_same_start(config: dict[str, Any], out: str, start: dict[str, Any]) ->
         )
 
 
-def _reuse_unfiltered(config: dict[str, Any], out: str, eval_episodes: int) -> dict[str, Any] | None:
-    """The finished run of an arm without a rule in the cell without the variants, when the variants only change
-    filtering (so training would repeat it bit for bit); ``None`` otherwise."""
+def _reuse_unfiltered(
+    config: dict[str, Any], out: str, eval_episodes: int, start: dict[str, Any]
+) -> dict[str, Any] | None:
+    """
+    The finished run of an arm without a rule in the cell without the variants, when the variants only change
+    filtering (so training would repeat it bit for bit) and that run started where this one would
+    (:func:`~sb3_influence.bench.summary.same_start`: on another machine the same seed can give other weights);
+    ``None`` otherwise, and the run is trained in its own cell.
+
+    :param start: The ``init_hash`` and ``init_fingerprint`` this run would start from.
+    """
     if not reuses_unfiltered(config["arm"], config["variants"]):
         return None
     base_config = run_config(
@@ -331,7 +336,7 @@ def _reuse_unfiltered(config: dict[str, Any], out: str, eval_episodes: int) -> d
     )
     base_path = result_path(out, config["env"], config["setting"], config["arm"], config["seed"])
     base = _load(base_path)
-    if base is None or not base.get("complete") or base.get("config") != base_config:
+    if base is None or not base.get("complete") or base.get("config") != base_config or not same_start(base, start):
         return None
     # The CPU time was spent once, by the run reused: not counted again
     return {**base, "config": config, "reused_from": os.path.relpath(base_path, out), "total_cpu_time": 0.0}
@@ -352,17 +357,17 @@ def _run_one(
     previous = _load(path)
     if previous is not None and previous.get("config") == config and previous.get("complete"):
         return previous
-    reused = _reuse_unfiltered(config, out, eval_episodes)
+    cpu_start = time.process_time()
+    overrides = {key: config[key] for key in ("n_envs", *PPO_KWARGS, "learning_rate", "max_grad_norm")}
+    model = make_model(spec, seed, setting, **overrides)
+    start_weights = {"init_hash": parameter_hash(model), "init_fingerprint": parameter_fingerprint(model)}
+    reused = _reuse_unfiltered(config, out, eval_episodes, start_weights)
     if reused is not None:
         write_json(path, reused)
         return reused
-    cpu_start = time.process_time()
     eval_seed = 10_000 + seed
     checkpoint = checkpoint_path(out, env, setting, arm, seed, variants)
-    overrides = {key: config[key] for key in ("n_envs", *PPO_KWARGS, "learning_rate", "max_grad_norm")}
-    model = make_model(spec, seed, setting, **overrides)
     eval_env = make_eval_env(spec, eval_episodes, eval_seed)
-    start_weights = {"init_hash": parameter_hash(model), "init_fingerprint": parameter_fingerprint(model)}
     result: dict[str, Any] = {
         "config": config,
         **start_weights,

@@ -211,8 +211,10 @@ def _run_cost(cell: _Cell, probes: dict[str, Any]) -> tuple[float, str]:
 
 
 def _cell_cost(cell: _Cell, arm: str) -> float:
-    """How many runs of cost 1 an arm's run in the cell is: 0 where it is reused from the cell without variants."""
-    return 0.0 if arm in ARMS and reuses_unfiltered(arm, cell.variants) else _arm_cost(arm)
+    """How many runs of cost 1 an arm's run in the cell is: 0 where it is reused from the cell without variants
+    (each of its finished runs was; a run that started elsewhere is trained in the variant's cell)."""
+    reused = arm in ARMS and reuses_unfiltered(arm, cell.variants)
+    return 0.0 if reused and all("reused_from" in r for r in cell.runs.get(arm, {}).values()) else _arm_cost(arm)
 
 
 def _arms_cell(cell: _Cell) -> str:
