@@ -318,9 +318,7 @@ def check_same_start(config: dict[str, Any], out: str, start: dict[str, Any]) ->
         )
 
 
-def _reuse_unfiltered(
-    config: dict[str, Any], out: str, eval_episodes: int, start: dict[str, Any]
-) -> dict[str, Any] | None:
+def _reuse_unfiltered(config: dict[str, Any], out: str, eval_episodes: int, start: dict[str, Any]) -> dict[str, Any] | None:
     """
     The finished run of an arm without a rule in the cell without the variants, when the variants only change
     filtering (so training would repeat it bit for bit) and that run started where this one would
