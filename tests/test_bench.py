@@ -445,12 +445,14 @@ def test_stratified_bootstrap_and_rliable_metrics():
         stats.normalized_score(_fake_result("ppo", 0, [0.0, 1.0], [0.0, 1.0]), "FrozenLake", kind="best")
 
 
-def _fake_grid_run(out, env, setting, arm, seed, returns, variants=(), cpu_s=36.0):
+def _fake_grid_run(out, env, setting, arm, seed, returns, variants=(), cpu_s=36.0, reused=False):
     result = _fake_result(arm, seed, returns, range(len(returns)))
     for row in result["rows"]:
         row["cpu_time"] = float(row["round"])
     result["config"].update(env=env, setting=setting, rounds=len(returns) - 1, variants=list(variants))
-    result["total_cpu_time"] = cpu_s
+    result["total_cpu_time"] = 0.0 if reused else cpu_s
+    if reused:
+        result["reused_from"] = os.path.relpath(bench.result_path(out, env, setting, arm, seed), out)
     bench.write_json(bench.result_path(out, env, setting, arm, seed, variants), result)
 
 
@@ -693,7 +695,8 @@ def test_variant_cell_needs_ppo_and_iif_and_joins_another_arm_once_it_ran(tmp_pa
     curves = {"ppo": [-200.0, -100.0, 0.0, 100.0], "iif": [-200.0, -50.0, 50.0, 100.0]}
     for seed in (0, 1):
         for arm, returns in curves.items():
-            _fake_grid_run(out, "LunarLander", "sgd", arm, seed, returns, variants=["drop-partial"], cpu_s=3600.0)
+            reused = arm == "ppo"
+            _fake_grid_run(out, "LunarLander", "sgd", arm, seed, returns, ["drop-partial"], cpu_s=3600.0, reused=reused)
     template = tmp_path / "page.md.in"
     template.write_text("{{status}}\n\n{{cost}}\n\n{{reading}}\n\n{{variants}}\n\n{{aggregate}}")
     output = tmp_path / "page.md"
@@ -711,9 +714,9 @@ def test_variant_cell_needs_ppo_and_iif_and_joins_another_arm_once_it_ran(tmp_pa
         _fake_grid_run(out, "LunarLander", "sgd", "iif", seed, [-200.0, -150.0, -50.0, 50.0 + seed])
     report, text = page()
     assert "| LunarLander sgd+drop-partial | iif | 1.00 [1.00, 1.00] | ahead | 1.00 [1.00, 1.00] | ahead |" in text
-    assert "| LunarLander | sgd+drop-partial | 150 | 2/2 | 2/2 | — | — | — | — | 4.00 | complete |" in text
+    assert "| LunarLander | sgd+drop-partial | 150 | 2/2 | 2/2 | — | — | — | — | 2.00 | complete |" in text
     # PPO's runs there are the cell's without the variant: its cost counts IIF's runs only
-    assert "| LunarLander | sgd+drop-partial | 1.00 | 2 (ppo reused) | 2.0 | measured, mean of 4 finished runs |" in text
+    assert "| LunarLander | sgd+drop-partial | 1.00 | 2 (ppo reused) | 2.0 | measured, mean of 2 finished runs |" in text
     assert bench.reuses_unfiltered("ppo", ["drop-partial"]) and not bench.reuses_unfiltered("ppo", ["clip0.5"])
     assert not bench.reuses_unfiltered("iif", ["drop-partial"]) and not bench.reuses_unfiltered("ppo", [])
     with pytest.raises(ValueError, match="unknown variant 'bogus'"):
@@ -724,7 +727,7 @@ def test_variant_cell_needs_ppo_and_iif_and_joins_another_arm_once_it_ran(tmp_pa
     )
     report, text = page()
     assert "LunarLander sgd+drop-partial" in report["complete"]
-    assert "| LunarLander | sgd+drop-partial | 150 | 2/2 | 2/2 | 1/2 | — | — | — | 5.00 | complete |" in text
+    assert "| LunarLander | sgd+drop-partial | 150 | 2/2 | 2/2 | 1/2 | — | — | — | 3.00 | complete |" in text
     # Both cells complete in every arm: the aggregate has one task per environment × setting, not the variant cell
     for seed in (0, 1):
         for arm, returns in {"ppo": [-200.0, -100.0, 0.0, 100.0], "random": [-200.0, -180.0, -90.0, 0.0]}.items():
@@ -733,6 +736,15 @@ def test_variant_cell_needs_ppo_and_iif_and_joins_another_arm_once_it_ran(tmp_pa
     report, text = page()
     assert {"LunarLander sgd", "LunarLander sgd+drop-partial"} <= set(report["complete"])
     assert "Tasks: LunarLander sgd (2 seeds each)." in text and "Tasks: LunarLander sgd, " not in text
+    # PPO trained in the variant cell (its base run started from other weights) counts in the cost
+    assert "| LunarLander | sgd+drop-partial | 0.34 | 3 | 2.0 | measured, mean of 6 finished runs |" in text
+    # A variant that changes PPO too (clip0.5) compares PPO with PPO without it as well
+    for seed in (0, 1):
+        for arm, returns in curves.items():
+            _fake_grid_run(out, "LunarLander", "sgd", arm, seed, [r - 10.0 for r in returns], variants=["clip0.5"])
+    report, text = page()
+    assert "| LunarLander sgd+clip0.5 | ppo | 0.00 [0.00, 0.00] | behind | 0.00 [0.00, 0.00] | behind |" in text
+    assert "| LunarLander sgd+clip0.5 | iif |" in text and "| LunarLander sgd+drop-partial | ppo |" not in text
 
 
 def test_opt_in_arm_runs_only_where_named_and_joins_the_page_once_it_ran(tmp_path):

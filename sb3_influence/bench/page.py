@@ -416,9 +416,10 @@ def _reading(cells: list[_Cell]) -> str:
 
 def _variants(cells: list[_Cell]) -> str:
     """
-    Per variant cell and filtering arm: the arm with the variant against the same arm in the cell without it
-    (same seeds), by the probability of improvement of the curve score and of the final score, each with its reading
-    (ahead or behind when the interval excludes 0.5).
+    Per variant cell and arm that the variant can change (every filtering arm; PPO too where the variant is not
+    about filtering only): the arm with the variant against the same arm in the cell without it (same seeds), by the
+    probability of improvement of the curve score and of the final score, each with its reading (ahead or behind
+    when the interval excludes 0.5).
     """
     from sb3_influence.bench.stats import probability_of_improvement
 
@@ -431,7 +432,7 @@ def _variants(cells: list[_Cell]) -> str:
         if not cell.variants or (cell.env, cell.setting) not in base:
             continue
         without = base[(cell.env, cell.setting)]
-        for arm in [a for a in cell.arms if ARMS[a].rule is not None]:
+        for arm in [a for a in cell.arms if ARMS[a].rule is not None or not reuses_unfiltered(a, cell.variants)]:
             if not (cell.complete_for((arm,)) and without.complete_for((arm,))):
                 n = len(cell.seeds)
                 done = f"with it {len(cell.complete_seeds(arm))}/{n}, without {len(without.complete_seeds(arm))}/{n}"
