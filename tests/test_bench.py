@@ -262,6 +262,30 @@ def test_a_run_that_would_not_start_from_its_ppo_runs_weights_fails_before_train
     assert bench.summarize(os.path.join(out, "CartPole", "sgd"), "CartPole")["iif"]["per_seed"]
 
 
+def test_an_interrupted_run_resumes_from_its_committed_checkpoint_which_goes_once_it_finishes(tmp_path):
+    out = str(tmp_path)
+    whole = bench.run_one("CartPole", "iif", 0, os.path.join(out, "whole"), rounds=3, eval_episodes=2, checkpoint_every=1)
+
+    def stop(round_, rounds):
+        if round_ == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_one("CartPole", "iif", 0, out, rounds=3, eval_episodes=2, checkpoint_every=1, on_round=stop)
+    checkpoint = bench.harness.checkpoint_path(out, "CartPole", "sgd", "iif", 0)
+    # Next to the result files (committed with them), not in a git-ignored folder
+    assert checkpoint == os.path.join(out, "checkpoints", "CartPole", "sgd", "iif_seed0.zip") and os.path.exists(checkpoint)
+    interrupted = json.loads(open(bench.result_path(out, "CartPole", "sgd", "iif", 0)).read())
+    assert not interrupted["complete"] and interrupted["checkpoint_round"] == 2
+    resumed = bench.run_one("CartPole", "iif", 0, out, rounds=3, eval_episodes=2, checkpoint_every=1)
+    assert resumed["complete"] and resumed["resumed_at"] == [2] and resumed["resumed_versions"] == [whole["versions"]]
+    # The rounds before the interruption are the uninterrupted run's; the run goes on from the checkpoint
+    assert [r["eval_return"] for r in resumed["rows"][:3]] == [r["eval_return"] for r in whole["rows"][:3]]
+    assert [r["round"] for r in resumed["rows"]] == [0, 1, 2, 3] and resumed["rows"][3]["timesteps"] == 3 * 2048
+    assert resumed["total_cpu_time"] > interrupted["total_cpu_time"]
+    assert not os.path.exists(checkpoint)
+
+
 def test_first_unfiltered_variant_takes_ppos_first_update(tmp_path):
     out = str(tmp_path)
     ppo = bench.run_one("CartPole", "ppo", 1, out, rounds=2, eval_episodes=3)

@@ -167,8 +167,12 @@ def parameter_fingerprint(model: Any) -> list[float]:
 
 
 def checkpoint_path(out: str, env: str, setting: str, arm: str, seed: int, variants: Sequence[str] = ()) -> str:
-    """Where a run keeps its model between rounds: ``<out>/raw/<env>/<cell>/<arm>_seed<seed>.zip``."""
-    return os.path.join(out, "raw", env, cell_name(setting, variants), f"{arm}_seed{seed}.zip")
+    """
+    Where an unfinished run keeps its model: ``<out>/checkpoints/<env>/<cell>/<arm>_seed<seed>.zip``, next to the
+    result files and committed with the unfinished run's file, so that a run longer than a session (highway-v0,
+    BipedalWalker) resumes in the next one, on this machine or another; deleted when the run finishes.
+    """
+    return os.path.join(out, "checkpoints", env, cell_name(setting, variants), f"{arm}_seed{seed}.zip")
 
 
 def resume_round(previous: dict[str, Any] | None, config: dict[str, Any], checkpoint: str) -> int:
@@ -383,6 +387,7 @@ def _run_one(
         model.set_random_seed(seed + 1_000 * done)
         result = {**previous, "rows": [row for row in previous["rows"] if row["round"] <= done]}
         result.setdefault("resumed_at", []).append(done)
+        result.setdefault("resumed_versions", []).append(package_versions())
         start = done + 1
     if start == 1:
         tic = time.process_time()
@@ -434,6 +439,8 @@ def _run_one(
         # Everything this process spent on the run (setup, rounds, evaluations), summed over resumptions
         result["total_cpu_time"] = spent + time.process_time() - cpu_start
         write_json(path, result)
+        if result["complete"] and os.path.exists(checkpoint):
+            os.remove(checkpoint)
         if on_round is not None:
             on_round(round_, rounds)
     eval_env.close()
