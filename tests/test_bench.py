@@ -234,9 +234,14 @@ def test_a_run_that_would_not_start_from_its_ppo_runs_weights_fails_before_train
     other = {**ppo, "init_hash": "0" * 16, "versions": {**versions, "stable-baselines3": "0.0"}}
     other["init_fingerprint"] = [value + 0.1 for value in ppo["init_fingerprint"]]
     bench.write_json(path, other)
-    with pytest.raises(RuntimeError, match=r"other initial weights.*'stable-baselines3': '0.0'.*run PPO again"):
+    with pytest.raises(RuntimeError, match=r"other initial weights.*'stable-baselines3': '0.0'.*ppo_seed3.json and run"):
         bench.run_one("CartPole", "iif", 3, out, rounds=1, eval_episodes=1)
     assert not os.path.exists(bench.result_path(out, "CartPole", "sgd", "iif", 3))
+    # The runs of the seed that started with that PPO run are named with it: deleting PPO alone would orphan them
+    bench.write_json(bench.result_path(out, "CartPole", "sgd", "random", 3), {**other, "config": {}})
+    with pytest.raises(RuntimeError, match=r"Delete \S*ppo_seed3.json and \S*random_seed3.json and run them again"):
+        bench.run_one("CartPole", "iif", 3, out, rounds=1, eval_episodes=1)
+    os.remove(bench.result_path(out, "CartPole", "sgd", "random", 3))
     # A variant cell pairs with its own PPO run: trained there, whether the variant changes PPO (clip0.5) or only
     # filtering (drop-partial: the run without the variant is reused only where it started from the same weights)
     for variants in (["clip0.5"], ["drop-partial"]):

@@ -312,13 +312,22 @@ def check_same_start(config: dict[str, Any], out: str, start: dict[str, Any]) ->
     base = _load(path)
     if base is not None and not same_start(base, start):
         init_hash = start["init_hash"]
+        # The cell's other runs of this seed that started with that PPO run: their comparison goes with it
+        paired = [
+            other
+            for other in (result_path(out, env, setting, arm, seed, variants) for arm in ARMS if arm != "ppo")
+            if (run := _load(other)) is not None and same_start(base, run)
+        ]
+        files = [path, *paired]
+        delete = f"{', '.join(files[:-1])} and {files[-1]}" if paired else path
         raise RuntimeError(
             f"{config['arm']} seed {seed} of {env} {cell_name(setting, variants)} would start from other initial "
             f"weights (hash {init_hash}) than the PPO run it is compared with, {path} (hash {base.get('init_hash')}): "
             f"the installed packages or the machine differ from that run's (its versions: "
             f"{base.get('versions', 'not recorded')}; now: {package_versions()}; a file without 'init_fingerprint' "
-            f"is matched by its hash only, which another CPU's kernels change by a few ulps). Delete {path} and run "
-            "PPO again too, so that both arms start from the same weights."
+            f"is matched by its hash only, which another CPU's kernels change by a few ulps). Delete {delete} and "
+            "run them again here too (or run this one on the machine that made them), so that the arms of the seed "
+            "start from the same weights."
         )
 
 
