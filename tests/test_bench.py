@@ -61,6 +61,33 @@ def test_speedup_metrics_unreached_and_flat():
         bench.speedup_metrics(rounds, [0, 1], [0, 1])
 
 
+def test_curve_mean_weighs_each_evaluation_by_the_rounds_it_stands_for():
+    # regular schedule: the plain mean of the evaluations after round 0 (the committed cells' curve score)
+    assert bench.curve_mean([0, 3, 6, 9], [-5.0, 1.0, 2.0, 6.0]) == pytest.approx(3.0)
+    # denser early: rounds 1 and 2 stand for one round each, round 12 for ten
+    assert bench.curve_mean([0, 1, 2, 12], [0.0, 1.0, 3.0, 5.0]) == pytest.approx((1.0 + 3.0 + 10 * 5.0) / 12)
+    with pytest.raises(ValueError, match="round 0"):
+        bench.curve_mean([1, 2], [1.0, 2.0])
+    with pytest.raises(ValueError, match="one return per round"):
+        bench.curve_mean([0, 1, 2], [1.0, 2.0])
+
+
+def test_highway_is_evaluated_every_round_until_10_and_only_its_config_says_so():
+    highway = bench.ENVS["highway"]
+    assert highway.eval_rounds(100) == [*range(11), *range(20, 101, 10)]
+    assert bench.ENVS["LunarLander"].eval_rounds(10) == [0, 3, 6, 9, 10]
+    assert bench.run_config("highway", "sgd", "iif", 0)["eval_first"] == 10
+    # the other environments' configs, and so their committed result files, stay as they were
+    assert all("eval_first" not in bench.run_config(env, "sgd", "ppo", 0) for env in ("Acrobot", "LunarLander"))
+    from sb3_influence.bench import stats
+
+    # a learning curve evaluated so is scored by the rounds, not by the number of evaluations
+    rows = [{"round": r, "eval_return": 1.0 if r <= 10 else 2.0, "wall_time": float(r)} for r in range(101)]
+    result = {"rows": [row for row in rows if highway.evaluated(row["round"], 100)]}
+    low, high = highway.score_range
+    assert stats.normalized_score(result, "highway") == pytest.approx(((10 + 2.0 * 90) / 100 - low) / (high - low))
+
+
 def test_bootstrap_ci():
     low, high = bench.bootstrap_ci([2.0, 2.0, 2.0])
     assert low == high == 2.0

@@ -4,13 +4,14 @@ Hu et al., "A Snapshot of Influence" (arXiv 2505.19281), Sec. 5, over a grid of 
 arm × seed.
 
 Every run trains one arm (:data:`ARMS`: ``ppo``, ``iif``, ``random``, ``iif-aware`` in the Adam settings, the
-trajectory arms in MiniGrid's SGD cells, and ``iif-smoothed``, opt-in, where named) on
-one environment with one optimizer setting (:data:`SETTINGS`) and one seed, round by round (one round = one rollout
-of ``n_steps * n_envs`` records + one PPO update), evaluates the stochastic policy every ``eval_every`` rounds and
-writes its per-round results to ``<out>/<env>/<setting>/<arm>_seed<seed>.json`` as it goes. Arms with the same seed
-start from identical initial weights (the harness stores a hash of them in every result file and :func:`summarize`
-checks it). Finished runs are skipped when the command is run again; an unfinished run resumes from its last
-checkpoint in ``<out>/raw/``. Runs are dispatched by Ray (optional extra ``distributed``) or a local process pool.
+trajectory arms in MiniGrid's SGD cells, and ``iif-smoothed``, opt-in, where named) on one environment with one
+optimizer setting (:data:`SETTINGS`) and one seed, round by round (one round = one rollout of ``n_steps * n_envs``
+records + one PPO update), evaluates the stochastic policy every ``eval_every`` rounds (and each of the first
+``eval_first``) and writes its per-round results to ``<out>/<env>/<setting>/<arm>_seed<seed>.json`` as it goes. Arms
+with the same seed start from identical initial weights (the harness stores a hash of them in every result file and
+:func:`summarize` checks it). Finished runs are skipped when the command is run again; an unfinished run resumes
+from its last checkpoint in ``<out>/checkpoints/``. Runs are dispatched by Ray (optional extra ``distributed``) or a
+local process pool.
 
 The speed-up metrics (:func:`first_round`, :func:`ppo_levels`, :func:`speedup_metrics`) are the paper's (Sec. 5):
 ``m(v)`` is the first round whose test return is ``>= v``, ``Reduction(v) = 1 - m_IIF(v) / m_PPO(v)``, SE_ave is
@@ -54,7 +55,7 @@ from sb3_influence.bench.protocol import (
     result_path,
     run_kwargs,
 )
-from sb3_influence.bench.metrics import bootstrap_ci, first_round, ppo_levels, speedup_metrics
+from sb3_influence.bench.metrics import bootstrap_ci, curve_mean, first_round, ppo_levels, speedup_metrics
 from sb3_influence.bench.summary import cell_directory, curve, load_runs, markdown_table, plot, summarize, time_key
 
 __all__ = [
@@ -79,6 +80,7 @@ __all__ = [
     "cell_name",
     "cpu_hours",
     "curve",
+    "curve_mean",
     "evaluate",
     "exact_frozenlake_return",
     "first_round",

@@ -234,6 +234,8 @@ def run_config(
         "eval_episodes": "exact" if spec.exact_eval else eval_episodes,
         "eval_envs": None if spec.exact_eval else min(eval_episodes, EVAL_ENVS),
         "eval_every": spec.eval_every,
+        # only where it is set, so that the configs (and result files) of the other environments stay as they were
+        **({"eval_first": spec.eval_first} if spec.eval_first else {}),
         **kwargs,
     }
 
@@ -252,7 +254,7 @@ def run_one(
 ) -> dict[str, Any]:
     """
     Train one arm on one cell, writing :func:`result_path` after every round; a finished run with the same
-    config is returned without training, an unfinished one resumes from its last checkpoint in ``<out>/raw/``.
+    config is returned without training, an unfinished one resumes from its last checkpoint (:func:`checkpoint_path`).
     A process that watches the result file sees every finished round (that is how ``run_grid`` follows runs in
     worker processes); ``on_round`` gets them in this process.
 
@@ -264,7 +266,7 @@ def run_one(
     :param variants: Keys of :data:`~sb3_influence.bench.protocol.VARIANTS`.
     :param rounds: Number of rounds (default: the paper's budget of environment steps).
     :param eval_episodes: Stochastic evaluation episodes per evaluation (ignored for exact evaluation).
-    :param checkpoint_every: Save the model under ``<out>/raw/`` every this many rounds (to resume).
+    :param checkpoint_every: Save the model at :func:`checkpoint_path` every this many rounds (to resume).
     :param on_round: Called as ``on_round(round, rounds)`` after each round's result is written (not for a run
         returned without training); it must not change the model.
     :return: The result dict (also on disk).
@@ -435,7 +437,7 @@ def _run_one(
             kept_fraction=float(model.rollout_buffer.flat_keep.mean()),
             eval_return=None,
         )
-        if round_ % spec.eval_every == 0 or round_ == rounds:
+        if spec.evaluated(round_, rounds):
             tic = time.process_time()
             row["eval_return"] = evaluate(model, spec, eval_episodes, eval_seed, eval_env)
             row["eval_cpu_time"] = time.process_time() - tic

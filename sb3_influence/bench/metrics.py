@@ -48,6 +48,23 @@ def ppo_levels(rounds: Ints, returns: Floats) -> list[tuple[int, float]]:
     return levels
 
 
+def curve_mean(rounds: Ints, returns: Floats) -> float:
+    """
+    The mean test return over a run's rounds after round 0 (the area under its learning curve over the rounds):
+    each evaluation stands for the rounds since the previous one, so that a schedule that evaluates some rounds
+    more densely (highway-v0's first ten) does not weigh them more. With evaluations at regular rounds it is the
+    mean of the evaluations after round 0.
+
+    :param rounds: Evaluation rounds, increasing, starting at 0.
+    :param returns: Test return at each of them.
+    :return: The weighted mean.
+    """
+    rounds, returns = np.asarray(rounds), np.asarray(returns, dtype=np.float64)
+    if len(rounds) != len(returns) or len(rounds) < 2 or rounds[0] != 0:
+        raise ValueError(f"need evaluations at round 0 and later, one return per round, got rounds {rounds.tolist()}")
+    return float(np.average(returns[1:], weights=np.diff(rounds)))
+
+
 def _reduction(m_ref: float, m_new: float | None, never: float) -> float:
     return 1.0 - (never if m_new is None else m_new) / m_ref
 

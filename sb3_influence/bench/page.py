@@ -205,7 +205,7 @@ def _run_cost(cell: _Cell, probes: dict[str, Any]) -> tuple[float, str]:
     probe = probes.get(f"{cell.env} {cell.name}")
     if probe is not None:
         rounds = run_kwargs(ENVS[cell.env], cell.setting, cell.variants)["rounds"]
-        evals = rounds // ENVS[cell.env].eval_every + 1
+        evals = len(ENVS[cell.env].eval_rounds(rounds))
         return (probe["round_cpu_s"] * rounds + probe["eval_cpu_s"] * evals) / 3600, "probe: 1 IIF round + 1 evaluation"
     return float("nan"), "not measured"
 

@@ -32,6 +32,9 @@ class EnvSpec:
     :param exact_eval: Evaluate the stochastic policy exactly (tabular, deterministic env: FrozenLake) instead
         of by sampling episodes.
     :param eval_every: Evaluate every this many rounds (and after the last one).
+    :param eval_first: Also evaluate after each of the first this many rounds, for an environment that PPO learns
+        within ``eval_every`` rounds (highway-v0: both arms are near their plateau at round 10), where evaluations
+        every ``eval_every`` rounds would not see which arm got there first.
     :param resolution: Returns are floored to a multiple of this before computing the speed-up metrics (0: as
         measured). Exact evaluation creeps towards its optimum by ever smaller steps, each of which would be a
         new PPO "level"; 0.01 for FrozenLake gives levels of 1 % success probability.
@@ -49,8 +52,17 @@ class EnvSpec:
     minigrid: bool = False
     exact_eval: bool = False
     eval_every: int = 1
+    eval_first: int = 0
     resolution: float = 0.0
     zoo_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def evaluated(self, round_: int, rounds: int) -> bool:
+        """Whether a run of ``rounds`` rounds evaluates its policy after round ``round_`` (0: the initial one)."""
+        return round_ <= self.eval_first or round_ % self.eval_every == 0 or round_ == rounds
+
+    def eval_rounds(self, rounds: int) -> list[int]:
+        """The rounds after which a run of ``rounds`` rounds evaluates its policy, round 0 included."""
+        return [round_ for round_ in range(rounds + 1) if self.evaluated(round_, rounds)]
 
 
 _HIGHWAY_CONFIG = MappingProxyType(
@@ -82,6 +94,7 @@ ENVS: Mapping[str, EnvSpec] = MappingProxyType(
             env_kwargs={"config": _HIGHWAY_CONFIG},
             register="highway_env",
             eval_every=10,
+            eval_first=10,
         ),
         "LunarLander": EnvSpec(
             "LunarLander-v3",

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from sb3_influence.bench.metrics import curve_mean
 from sb3_influence.bench.protocol import ENVS
 from sb3_influence.bench.summary import curve
 
@@ -35,15 +36,16 @@ def normalized_score(result: dict[str, Any], env: str, kind: str = "curve", fina
 
     :param result: A run's result dict.
     :param env: A key of :data:`~sb3_influence.bench.harness.ENVS`.
-    :param kind: ``"curve"``: mean test return over every evaluation after round 0 (area under the learning
-        curve: the speed measure); ``"final"``: mean of the last ``final_window`` evaluations.
+    :param kind: ``"curve"``: mean test return over the rounds after round 0 (area under the learning curve: the
+        speed measure, :func:`~sb3_influence.bench.metrics.curve_mean`); ``"final"``: mean of the last
+        ``final_window`` evaluations.
     :param final_window: See ``kind``.
     :return: The normalised score.
     """
     if kind not in ("curve", "final"):
         raise ValueError(f"kind must be 'curve' or 'final', got {kind!r}")
-    _, returns, _ = curve(result)
-    value = returns[1:].mean() if kind == "curve" else returns[-final_window:].mean()
+    rounds, returns, _ = curve(result)
+    value = curve_mean(rounds, returns) if kind == "curve" else returns[-final_window:].mean()
     low, high = ENVS[env].score_range
     return float((value - low) / (high - low))
 

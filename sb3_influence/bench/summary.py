@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from sb3_influence.bench.protocol import ARMS, ENVS, cell_name
-from sb3_influence.bench.metrics import bootstrap_ci, speedup_metrics
+from sb3_influence.bench.metrics import bootstrap_ci, curve_mean, speedup_metrics
 
 
 def same_start(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -104,7 +104,7 @@ def summarize(directory: str, env: str, final_window: int = 5) -> dict[str, Any]
             metrics: dict[str, Any] = speedup_metrics(rounds, ppo_ret, new_ret, ppo_time, new_time, ENVS[env].resolution)
             metrics["clock"] = clock
             metrics["final_gain"] = float(new_ret[-final_window:].mean() - ppo_ret[-final_window:].mean())
-            metrics["auc_gain"] = float(new_ret[1:].mean() - ppo_ret[1:].mean())
+            metrics["auc_gain"] = curve_mean(rounds, new_ret) - curve_mean(rounds, ppo_ret)
             metrics["round_time_ratio"] = float(new_time[-1] / ppo_time[-1])
             per_seed[seed] = metrics
         entry: dict[str, Any] = {"per_seed": per_seed}
