@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -389,6 +390,57 @@ def test_summary_lists_missing_runs_and_fails(tmp_path, capsys):
     assert bench.main([*args[:6], "0", "1", *args[7:]]) == 1
     assert "CartPole sgd iif seed 1" in capsys.readouterr().err
     assert bench.main([*args[:6], "0", "1", *args[7:], "--allow-missing"]) == 0
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of the pool workers whose parent is ``pid`` (Linux ``/proc``)."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as file:
+                ppid = int(file.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as file:
+                worker = b"multiprocessing-fork" in file.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and worker:
+            found.append(int(name))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc (Linux)")
+def test_a_grid_killed_by_a_signal_leaves_no_worker_training_on(tmp_path):
+    import signal
+
+    out = tmp_path / "grid"
+    command = [sys.executable, "-m", "sb3_influence.cli", "bench", "run", "--envs", "CartPole", "--arms", "ppo", "iif"]
+    command += ["--seeds", "0", "--rounds", "200", "--workers", "2", "--backend", "process", "--out", str(out)]
+    parent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    files = [out / "CartPole" / "sgd" / f"{arm}_seed0.json" for arm in ("ppo", "iif")]
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(f.exists() for f in files), "the runs did not start within 2 minutes"
+        workers = _children(parent.pid)
+        assert len(workers) == 2
+        parent.send_signal(signal.SIGTERM)  # as `timeout` or `kill` does: the parent runs no cleanup
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+        assert not alive, "workers went on training after their grid was killed"
+        rounds = [json.loads(f.read_text())["rows"][-1]["round"] for f in files]
+        assert all(0 < r < 200 for r in rounds)
+        time.sleep(1.0)
+        assert [json.loads(f.read_text())["rows"][-1]["round"] for f in files] == rounds
+    finally:
+        parent.kill()
+        for pid in workers:
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_help_shows_every_default_and_no_markup(capsys):

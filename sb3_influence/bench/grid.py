@@ -132,8 +132,22 @@ def _execute(
     return line, result
 
 
+def _stop_when_orphaned(parent: int) -> Callable[[int, int], None]:
+    """
+    A pool worker's ``on_round``: end the worker (after the round's result file is written) once its parent is
+    gone. A parent killed by a signal (``timeout``, ``kill``) runs no cleanup and leaves its pool's workers alive,
+    training on and writing result files that nobody runs any more; a grid run again would run them twice over.
+    """
+
+    def on_round(round_: int, rounds: int) -> None:
+        if os.getppid() != parent:
+            raise SystemExit(f"the grid that started this run (pid {parent}) is gone: stopping after round {round_}")
+
+    return on_round
+
+
 def _execute_star(args: tuple[Job, str, int]) -> tuple[str, dict[str, Any]]:
-    return _execute(*args)
+    return _execute(*args, on_round=_stop_when_orphaned(os.getppid()))
 
 
 def _ray_results(jobs: Sequence[Job], out: str, workers: int, niceness: int, address: str | None) -> Iterator[Any]:
