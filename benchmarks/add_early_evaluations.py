@@ -11,7 +11,7 @@ evaluations into the file, under the current config, with a record of what was a
 A file whose replay differs is left as it is and named: delete it and run it again with ``bench run``.
 Unfinished runs are migrated too (their checkpoint stays valid), so they resume under the new schedule.
 
-    nice -n 19 python benchmarks/add_early_evaluations.py --env highway --setting sgd
+    nice -n 19 python benchmarks/add_early_evaluations.py --env highway --setting sgd [FILE ...]
 
 Cost: ``eval_first`` rounds and evaluations per file (highway: ~20 min of CPU).
 """
@@ -83,13 +83,18 @@ def main() -> None:
     parser.add_argument("--setting", default="sgd", help="optimizer setting (the cell's folder)")
     parser.add_argument("--out", default="benchmarks/results/grid", help="results directory of bench run")
     parser.add_argument("--eval-episodes", type=int, default=100, help="as given to bench run (default: 100)")
+    parser.add_argument("files", nargs="*", help="result files of the cell (default: all of them)")
     args = parser.parse_args()
     if bench.ENVS[args.env].eval_first == 0:
         parser.error(f"--env {args.env} has eval_first 0: there is nothing to add")
     th.set_num_threads(1)
-    paths = sorted(glob.glob(os.path.join(bench.cell_directory(args.out, args.env, args.setting), "*.json")))
+    cell = bench.cell_directory(args.out, args.env, args.setting)
+    paths = args.files or sorted(glob.glob(os.path.join(cell, "*.json")))
     if not paths:
-        parser.error(f"no result files in {bench.cell_directory(args.out, args.env, args.setting)}")
+        parser.error(f"no result files in {cell}")
+    outside = [path for path in paths if os.path.dirname(os.path.abspath(path)) != os.path.abspath(cell)]
+    if outside:
+        parser.error(f"{', '.join(outside)} not in {cell}, the cell of --env {args.env} --setting {args.setting}")
     for path in paths:
         print(f"{path}: {migrate(path, args.env, args.eval_episodes)}", flush=True)
 
