@@ -712,6 +712,30 @@ def test_new_arm_leaves_the_finished_runs_of_the_other_arms_valid():
     }
 
 
+def test_every_committed_finished_run_is_still_finished_for_the_grid():
+    # A change to run_config (a new key, another default) makes `bench run` train the runs it no longer recognises
+    # again, hours of CPU each: such a change needs its result files migrated (benchmarks/add_early_evaluations.py)
+    # or the cell deliberately rerun
+    import glob
+
+    grid_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results", "grid")
+    paths = sorted(glob.glob(os.path.join(grid_dir, "*", "*", "*.json")))
+    if not paths:
+        pytest.skip("the committed grid results are not in this checkout")
+    finished = 0
+    for path in paths:
+        with open(path) as file:
+            result = json.load(file)
+        if not result.get("complete"):
+            continue
+        config = result["config"]
+        job = bench.Job(config["env"], config["setting"], config["arm"], config["seed"], tuple(config["variants"]))
+        assert os.path.samefile(job.path(grid_dir), path), path
+        assert job.finished(grid_dir), f"{path} would be run again: its config is not run_config's any more"
+        finished += 1
+    assert finished >= 100
+
+
 def test_iif_aware_arm_filters_with_the_optimizer_aware_score(tmp_path):
     out = str(tmp_path)
     result = bench.run_one("CartPole", "iif-aware", 4, out, "sb3", rounds=1, eval_episodes=1)
