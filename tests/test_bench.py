@@ -157,6 +157,14 @@ def test_summarize_and_table(tmp_path):
     assert bench.plot(cell, "Acrobot", os.path.join(out, "plot.png"))
     assert os.path.getsize(os.path.join(out, "plot.png")) > 0
     assert not bench.plot(os.path.join(out, "nothing"), "Acrobot", os.path.join(out, "none.png"))
+    # A seed evaluated at other rounds is an error naming it, not a curve with that seed silently left out
+    shifted = _fake_result("iif", 1, [0.0, 2.0, 4.0, 4.0, 4.0], range(5))
+    for row in shifted["rows"]:
+        row["round"] += 1
+    bench.write_json(bench.result_path(out, "Acrobot", "sgd", "iif", 1), shifted)
+    with pytest.raises(ValueError, match=r"iif runs of seeds \[1\] were evaluated at other rounds than seed 0"):
+        bench.plot(cell, "Acrobot", os.path.join(out, "mixed.png"))
+    bench.write_json(bench.result_path(out, "Acrobot", "sgd", "iif", 1), _fake_result("iif", 1, ppo, range(5)))
     # Different initial weights for the same seed are an error
     bench.write_json(bench.result_path(out, "Acrobot", "sgd", "iif", 0), _fake_result("iif", 0, ppo, range(5), "other"))
     with pytest.raises(RuntimeError, match="same initial weights"):

@@ -123,6 +123,8 @@ def plot(directory: str, env: str, path: str, title: str | None = None) -> bool:
     :param path: Output image.
     :param title: Plot title (default: the environment).
     :return: Whether a plot was written (``False`` when the cell has no complete run).
+    :raises ValueError: When the runs of one arm were evaluated at different rounds (a mean curve needs one
+        schedule; no seed is left out silently).
     """
     runs = load_runs(directory)
     if not runs:
@@ -136,9 +138,17 @@ def plot(directory: str, env: str, path: str, title: str | None = None) -> bool:
     for arm, spec in ARMS.items():
         if arm not in runs:
             continue
-        curves = [curve(result) for result in runs[arm].values()]
-        rounds = curves[0][0]
-        returns = np.stack([c[1] for c in curves if np.array_equal(c[0], rounds)])
+        curves = {seed: curve(result) for seed, result in runs[arm].items()}
+        first = min(curves)
+        rounds = curves[first][0]
+        other = sorted(seed for seed, c in curves.items() if not np.array_equal(c[0], rounds))
+        if other:
+            raise ValueError(
+                f"{directory}: the {arm} runs of seeds {other} were evaluated at other rounds than seed {first}'s, "
+                "so their mean curve is undefined; rerun those seeds under the cell's current schedule, or add the "
+                "missing evaluations by a checked replay (benchmarks/add_early_evaluations.py)"
+            )
+        returns = np.stack([c[1] for c in curves.values()])
         low, high = np.array([bootstrap_ci(column, n_boot=2000) for column in returns.T]).T
         ax.plot(rounds, returns.mean(axis=0), color=spec.color, label=f"{spec.label} ({len(returns)} seeds)")
         ax.fill_between(rounds, low, high, color=spec.color, alpha=0.2)
