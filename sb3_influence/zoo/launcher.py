@@ -134,8 +134,41 @@ def _usage() -> str:
     )
 
 
+class BrokenDependencyError(RuntimeError):
+    """A dependency of the script is installed but does not import (not a missing extra: installing it is no fix)."""
+
+
+def broken_import(name: str) -> str | None:
+    """
+    Why an installed module fails to import with an error other than ``ImportError``, or ``None`` when it imports
+    or is not installed (rl_zoo3's plots import rliable under ``try``/``except ImportError`` only).
+
+    :param name: A dotted module name.
+    :return: ``"ExceptionType: message"``, or ``None``.
+    """
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            return None
+        importlib.import_module(name)
+    except ImportError:
+        return None
+    except Exception as error:  # any other failure at import is what is reported
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 def _run(script: str) -> None:
     module_name, function, uses_algos = SCRIPTS[script]
+    if module_name.startswith("rl_zoo3.plots."):
+        error = broken_import("rliable.library")
+        if error is not None:
+            raise BrokenDependencyError(
+                f"rl_zoo3's plots import rliable, which is installed here but does not import ({error}); rliable "
+                "1.2 needs arch < 8, and arch 7 does not import under pandas 3. Fix: pip install 'pandas<3', or "
+                "pip uninstall rliable (rl_zoo3's plots then leave out their rliable figures)"
+            )
     if uses_algos:
         register()
     if function is not None:
@@ -177,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         _run(script)
     except ModuleNotFoundError as error:
         print(missing_module_message(error, f"sb3-influence-zoo {script}", extra="zoo"), file=sys.stderr)
+        return 2
+    except BrokenDependencyError as error:
+        print(f"error: sb3-influence-zoo {script}: {error}", file=sys.stderr)
         return 2
     finally:
         sys.argv = saved_argv
