@@ -1,9 +1,11 @@
 """
-Which optional extra of sb3_influence installs which module, for the one-line "module not installed" error of every
-command line entry point (``sb3-influence``, ``sb3-influence-zoo``).
+Which optional extra of sb3_influence installs which module: the one-line "module not installed" error of every
+command line entry point (``sb3-influence``, ``sb3-influence-zoo``), and :func:`import_optional` for the functions
+that import an optional module.
 """
 
-from types import MappingProxyType
+import importlib
+from types import MappingProxyType, ModuleType
 
 # extra (setup.cfg [options.extras_require]) -> the top-level modules it installs that our code or rl_zoo3 import
 EXTRA_MODULES: "MappingProxyType[str, tuple[str, ...]]" = MappingProxyType(
@@ -12,18 +14,16 @@ EXTRA_MODULES: "MappingProxyType[str, tuple[str, ...]]" = MappingProxyType(
             "rl_zoo3",
             "optuna",
             "requests",
-            "pandas",
             "huggingface_sb3",
             "huggingface_hub",
             "seaborn",
-            "scipy",
             "matplotlib",
             "pytablewriter",
             "moviepy",
             "pygame",
         ),
         "distributed": ("psycopg",),
-        "analysis": ("matplotlib", "pandas", "scipy"),
+        "analysis": ("matplotlib",),
         "tensorboard": ("tensorboard",),
         "minigrid": ("minigrid",),
         "box2d": ("Box2D",),
@@ -51,3 +51,27 @@ def missing_module_message(error: ModuleNotFoundError, command: str, extra: str 
     if not candidates:
         return f"error: {command}: No module named {module!r}, which no sb3_influence extra installs: install its package"
     return f"error: {command}: No module named {module!r}: pip install 'sb3_influence[{candidates[0]}]'"
+
+
+def import_optional(name: str, extra: str, needed_by: str) -> ModuleType:
+    """
+    Import an optional module, or say which extra installs it.
+
+    :param name: The module, e.g. ``"matplotlib.figure"``.
+    :param extra: The extra that installs it.
+    :param needed_by: What needs it (first words of the error), e.g. ``"plot_phases()"``.
+    :return: The module.
+    :raises ModuleNotFoundError: When the module's package is not installed, naming the extra, e.g.
+        ``"plot_phases() needs 'matplotlib', which is not installed: pip install 'sb3_influence[analysis]'"``. A
+        module missing inside an installed package (a broken install) is raised as it is.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        package = name.partition(".")[0]
+        if error.name is None or error.name.partition(".")[0] != package:
+            raise
+        raise ModuleNotFoundError(
+            f"{needed_by} needs {package!r}, which is not installed: pip install 'sb3_influence[{extra}]'",
+            name=error.name,
+        ) from error

@@ -3,7 +3,15 @@
 import numpy as np
 import pytest
 import torch as th
-from conftest import collect_rollout, make_env, params_equal, policy_for, reference_log_prob, reference_log_prob_grads
+from conftest import (
+    collect_rollout,
+    make_env,
+    params_equal,
+    policy_for,
+    reference_log_prob,
+    reference_log_prob_grads,
+    requires,
+)
 from stable_baselines3 import A2C
 from stable_baselines3.common.env_util import make_vec_env
 
@@ -135,6 +143,7 @@ def test_save_load_round_trip(tmp_path):
     assert isinstance(loaded.policy.optimizer, th.optim.RMSprop)
 
 
+@requires("yaml", extra="zoo")
 def test_zoo_config_keys_are_parameters():
     import inspect
 

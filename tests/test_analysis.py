@@ -6,6 +6,7 @@ import pytest
 import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
 
+from conftest import requires
 from sb3_influence import ActionTarget, InfluencePPO
 from sb3_influence.common import sb3_compat
 from sb3_influence.common.snapshots import save_snapshot
@@ -320,6 +321,7 @@ def test_state_embeddings():
         state_embeddings(model, obs, kind="bad")
 
 
+@requires("matplotlib", extra="analysis")
 def test_behaviour_formation_rounds(tmp_path):
     env = frozen_lake()
     # The behaviour "go right in the start state"

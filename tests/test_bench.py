@@ -10,6 +10,7 @@ import pytest
 import torch as th
 
 import sb3_influence
+from conftest import requires
 from sb3_influence import bench
 
 
@@ -137,6 +138,7 @@ def _fake_result(arm, seed, returns, times, init_hash="abc"):
     return {"config": {"arm": arm, "seed": seed}, "init_hash": init_hash, "complete": True, "rows": rows}
 
 
+@requires("matplotlib", extra="bench")
 def test_summarize_and_table(tmp_path):
     out = str(tmp_path)
     ppo = [0.0, 1.0, 2.0, 3.0, 4.0]

@@ -11,6 +11,7 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
 from stable_baselines3.common.vec_env import SubprocVecEnv, VecNormalize
 
+from conftest import requires
 from sb3_influence import AttributionCallback, IIFCallback, InfluencePPO, load_snapshot, load_snapshots
 from sb3_influence.common.callbacks import RoundCallback
 
@@ -179,6 +180,7 @@ def test_every_and_on_training_end_twice(tmp_path):
     assert os.path.exists(tmp_path / "snapshot_round000006_448_steps.npz")
 
 
+@requires("tensorboard", extra="tensorboard")
 def test_logger_scalars_histogram_and_csv(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -208,6 +210,7 @@ def test_logger_scalars_histogram_and_csv(tmp_path):
     assert "influence/return/mean" in header and "influence/return/hist" not in header
 
 
+@requires("tqdm", "rich", extra="zoo")
 def test_composes_with_checkpoint_eval_and_progress_bar(tmp_path):
     model = _model(n_envs=2)
     eval_env = make_vec_env("CartPole-v1", n_envs=1, seed=1)

@@ -7,7 +7,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch as th
-from conftest import ACTION_SPACES, OBSERVATION_SPACES, SpaceEnv, collect_rollout, make_env, params_equal, policy_for
+from conftest import ACTION_SPACES, OBSERVATION_SPACES, SpaceEnv, collect_rollout, make_env, params_equal, policy_for, requires
 from gymnasium import spaces
 from stable_baselines3 import PPO
 from stable_baselines3.common.buffers import RolloutBuffer
@@ -172,6 +172,7 @@ def test_save_load_round_trip(tmp_path):
     assert np.isfinite(loaded.compute_influence()).all()
 
 
+@requires("tensorboard", extra="tensorboard")
 def test_tb_log_name_default(tmp_path):
     model = build(InfluencePPO, tensorboard_log=str(tmp_path))
     model.learn(64)

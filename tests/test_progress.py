@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from conftest import requires
 from sb3_influence import bench
 from sb3_influence.bench.grid import GridProgress
 from sb3_influence.bench.harness import checkpoint_path
@@ -187,6 +188,7 @@ def _on_a_terminal(monkeypatch, work, *args, **kwargs):
     return result, terminal.getvalue()
 
 
+@requires("matplotlib", extra="analysis")
 def test_report_and_faithfulness_give_the_same_results_with_progress(tmp_path, monkeypatch):
     import numpy as np
     import torch as th

@@ -30,7 +30,7 @@ from sb3_influence.cli import main as cli_main
 from sb3_influence.common import snapshots
 from sb3_influence.common.snapshots import SnapshotError
 
-from conftest import collect_rollout, make_env
+from conftest import collect_rollout, make_env, requires
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(n_steps=32, batch_size=16, n_epochs=1, policy_kwargs=dict(net_arch=[8]))
@@ -375,6 +375,7 @@ def test_resuming_with_another_n_envs_or_from_an_older_save_is_refused(tmp_path)
     assert [s.num_timesteps for s in snapshots.load_all(str(tmp_path / "snap"))] == [64, 64]
 
 
+@requires("matplotlib", extra="analysis")
 def test_mixed_runs_are_refused_unless_chosen(tmp_path, run_folder):
     mixed = _mixed_folder(tmp_path, run_folder)
     with pytest.raises(SnapshotError, match="2 different runs") as error:
@@ -604,3 +605,27 @@ def test_disk_full_is_a_clear_error_and_finished_snapshots_load(tmp_path):
         assert not list(disk.glob(".tmp_*"))
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_missing_optional_module_names_its_extra(monkeypatch):
+    import pandas as pd
+
+    from sb3_influence.analysis import plot_phases
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were not installed
+    formation = pd.DataFrame(dict(round=[1, 2], association=[0.1, 0.2], roughness=[0.0, 0.1], scale=[1.0, 2.0]))
+    message = r"plot_phases\(\) needs 'matplotlib', which is not installed: pip install 'sb3_influence\[analysis\]'"
+    with pytest.raises(ModuleNotFoundError, match=message):
+        plot_phases(formation)
+
+
+def test_a_broken_optional_package_is_not_called_missing(tmp_path, monkeypatch):
+    from sb3_influence.extras import import_optional
+
+    # An installed package whose own import misses a module: that error, not "install the extra"
+    (tmp_path / "half_installed").mkdir()
+    (tmp_path / "half_installed" / "__init__.py").write_text("import a_module_nobody_installs\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="No module named 'a_module_nobody_installs'"):
+        import_optional("half_installed", "analysis", "plot_phases()")
+    assert import_optional("json", "analysis", "plot_phases()").dumps([1]) == "[1]"

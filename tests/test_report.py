@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from stable_baselines3.common.env_util import make_vec_env
 
+from conftest import requires
 from sb3_influence import AttributionCallback, IIFCallback, InfluencePPO, load_snapshot
 from sb3_influence.analysis.report import build_report, main, rollout_episode_returns, round_summary
 from sb3_influence.cli import main as cli_main
@@ -33,6 +34,7 @@ def _snapshots(run_dir):
     return [s.arrays for s in sorted(snapshots, key=lambda s: s.num_timesteps)]
 
 
+@requires("matplotlib", extra="analysis")
 def test_report_command_writes_a_self_contained_page(run_dir, tmp_path, capsys):
     out = tmp_path / "report"
     assert main([str(run_dir), "--out", str(out), "--top", "3", "--title", "CartPole IIF"]) == 0
@@ -76,6 +78,7 @@ def test_rollout_episode_returns():
     np.testing.assert_array_equal(rollout_episode_returns({"reward": rewards, "episode_start": starts}), [2.0, 3.0, 3.0])
 
 
+@requires("matplotlib", extra="analysis")
 def test_report_through_the_cli_and_default_location(run_dir):
     snapshots = run_dir / "snapshots"
     assert cli_main(["report", str(snapshots)]) == 0
@@ -100,6 +103,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs a chromium browser (scripts/check_report_in_browser.sh installs one)")
+@requires("matplotlib", extra="analysis")
 def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     from matplotlib.image import imread
 
@@ -124,6 +128,7 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     assert len(colours) > 50
 
 
+@requires("matplotlib", extra="analysis")
 def test_report_diagnosis_and_intervention_on_frozen_lake(tmp_path):
     """States repeat on FrozenLake: the page carries the in-buffer diagnosis table and the intervention plot."""
     import gymnasium as gym
@@ -163,6 +168,7 @@ def test_report_diagnosis_and_intervention_on_frozen_lake(tmp_path):
     assert read_interventions(save_dir, "another-run")[1] == 2
 
 
+@requires("matplotlib", extra="analysis")
 def test_report_says_why_the_diagnosis_is_not_shown(run_dir, tmp_path):
     build_report(str(run_dir), out_dir=str(tmp_path / "r"))
     section = (tmp_path / "r" / "report.html").read_text().split('id="diagnosis"')[1].split("<h2")[0]
@@ -170,6 +176,7 @@ def test_report_says_why_the_diagnosis_is_not_shown(run_dir, tmp_path):
     assert not (tmp_path / "r" / "intervention.png").exists()
 
 
+@requires("matplotlib", extra="analysis")
 def test_report_refuses_a_damaged_intervention_file_or_skips_it(run_dir, tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(run_dir, folder)

@@ -10,7 +10,6 @@ import sys
 import gymnasium as gym
 import pytest
 import torch as th
-import yaml
 from stable_baselines3 import PPO
 from stable_baselines3.common.policies import ActorCriticPolicy
 from torch import nn
@@ -19,7 +18,8 @@ import sb3_influence
 from sb3_influence import IIFCallback, InfluencePPO, MiniGridCNN, load_snapshots
 from sb3_influence.zoo import ZooInfluencePPO, hyperparams_path
 
-pytest.importorskip("rl_zoo3")
+pytest.importorskip("rl_zoo3", reason="install the zoo extra: pip install -e '.[zoo]'")
+yaml = pytest.importorskip("yaml")  # a dependency of rl_zoo3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"influence_ppo": ZooInfluencePPO, "ppo": PPO}
@@ -252,7 +252,7 @@ def test_zoo_package_imports_without_rl_zoo3(tmp_path):
 def test_missing_module_message():
     from sb3_influence.extras import missing_module_message
 
-    error = ModuleNotFoundError("No module named 'pandas'", name="pandas")
+    error = ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
     assert missing_module_message(error, "sb3-influence report", "analysis").endswith("pip install 'sb3_influence[analysis]'")
     assert missing_module_message(error, "sb3-influence-zoo train", "zoo").endswith("pip install 'sb3_influence[zoo]'")
     error = ModuleNotFoundError("No module named 'minigrid.wrappers'", name="minigrid.wrappers")

@@ -8,7 +8,8 @@ The paper's three applications (Sec. 4: diagnosis, behaviour formation, interven
 - :mod:`~sb3_influence.analysis.report`: ``sb3-influence report RUN_DIR``;
 - :mod:`~sb3_influence.analysis.trajectories`: one row per ``(round, trajectory)`` of snapshots.
 
-pandas, matplotlib and scipy are imported inside the functions that need them.
+pandas and scipy (core requirements) and matplotlib (the ``analysis`` extra: the report, :func:`plot_phases`) are
+imported inside the functions that need them; without matplotlib those functions say which extra installs it.
 """
 
 from sb3_influence.analysis.diagnosis import (

@@ -16,6 +16,7 @@ import torch as th
 
 from sb3_influence.common.snapshots import load_all
 from sb3_influence.common.stats import spearman
+from sb3_influence.extras import import_optional
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -199,12 +200,11 @@ def plot_phases(formation: "pd.DataFrame", title: str | None = None) -> "Figure"
     :param title: Figure title.
     :return: A matplotlib figure (three panels sharing the round axis).
     """
-    from matplotlib.figure import Figure
-
+    matplotlib_figure = import_optional("matplotlib.figure", "analysis", "plot_phases()")
     missing = {"round", "association", "roughness", "scale"} - set(formation.columns)
     if missing:
         raise ValueError(f"formation lacks the columns {sorted(missing)}: pass what behaviour_formation() returns")
-    figure = Figure(figsize=(9, 2.8), layout="constrained")
+    figure = matplotlib_figure.Figure(figsize=(9, 2.8), layout="constrained")
     axes = figure.subplots(1, 3, sharex=True)
     panels = (
         ("association", "association\nSpearman(I, Â)"),

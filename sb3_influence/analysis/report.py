@@ -25,6 +25,7 @@ from sb3_influence.common.stats import spearman
 from sb3_influence.common.command_line import ArgumentParser, one_line
 from sb3_influence.common.progress import Progress
 from sb3_influence.common.snapshots import Snapshot, as_snapshot, load_all
+from sb3_influence.extras import import_optional
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -43,9 +44,8 @@ th { background: #f3f3f3; } pre { background: #f8f8f8; padding: 0.8em; overflow-
 
 
 def _figure() -> "Figure":
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(8, 3.2), layout="constrained")
+    figure = import_optional("matplotlib.figure", "analysis", "build_report()")
+    return figure.Figure(figsize=(8, 3.2), layout="constrained")
 
 
 def _png(figure: "Figure") -> bytes:
