@@ -24,7 +24,7 @@ COMMANDS = MappingProxyType(
     }
 )
 # sub-command -> the extra its optional imports come from (named first when a module is missing)
-COMMAND_EXTRAS = MappingProxyType({"bench": "analysis", "report": "analysis"})
+COMMAND_EXTRAS = MappingProxyType({"bench": "bench", "report": "analysis"})
 
 
 def _usage() -> str:

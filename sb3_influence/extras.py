@@ -5,14 +5,21 @@ that import an optional module.
 """
 
 import importlib
+import importlib.util
 from types import MappingProxyType, ModuleType
 
-# extra (setup.cfg [options.extras_require]) -> the top-level modules it installs that our code or rl_zoo3 import
+# extra (setup.cfg [options.extras_require]) -> the top-level modules it installs that our code, our tests or rl_zoo3
+# import. A module of several extras is named with the first that has it, unless the command's own extra has it too.
 EXTRA_MODULES: "MappingProxyType[str, tuple[str, ...]]" = MappingProxyType(
     {
+        "analysis": ("matplotlib",),
+        "tensorboard": ("tensorboard",),
         "zoo": (
             "rl_zoo3",
             "optuna",
+            "yaml",
+            "tqdm",
+            "rich",
             "requests",
             "huggingface_sb3",
             "huggingface_hub",
@@ -21,10 +28,10 @@ EXTRA_MODULES: "MappingProxyType[str, tuple[str, ...]]" = MappingProxyType(
             "pytablewriter",
             "moviepy",
             "pygame",
+            "tensorboard",
         ),
-        "distributed": ("psycopg",),
-        "analysis": ("matplotlib",),
-        "tensorboard": ("tensorboard",),
+        "bench": ("rliable", "highway_env", "matplotlib"),
+        "distributed": ("ray", "psycopg"),
         "minigrid": ("minigrid",),
         "box2d": ("Box2D",),
         "mujoco": ("mujoco",),
@@ -40,7 +47,7 @@ def missing_module_message(error: ModuleNotFoundError, command: str, extra: str 
     :param command: The command that needed the module (first word of the message).
     :param extra: The extra of ``command``: named when it installs the module, even if another extra does too.
     :return: The message, e.g.
-        ``"error: sb3-influence report: No module named 'pandas': pip install 'sb3_influence[analysis]'"``.
+        ``"error: sb3-influence report: No module named 'matplotlib': pip install 'sb3_influence[analysis]'"``.
     """
     module = (error.name or "").partition(".")[0]
     candidates = [name for name, modules in EXTRA_MODULES.items() if module in modules]
@@ -63,15 +70,15 @@ def import_optional(name: str, extra: str, needed_by: str) -> ModuleType:
     :return: The module.
     :raises ModuleNotFoundError: When the module's package is not installed, naming the extra, e.g.
         ``"plot_phases() needs 'matplotlib', which is not installed: pip install 'sb3_influence[analysis]'"``. A
-        module missing inside an installed package (a broken install) is raised as it is.
+        module missing from an installed package, or from what it imports (a broken install), is raised as it is.
     """
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as error:
         package = name.partition(".")[0]
-        if error.name is None or error.name.partition(".")[0] != package:
+        if importlib.util.find_spec(package) is not None:
             raise
         raise ModuleNotFoundError(
             f"{needed_by} needs {package!r}, which is not installed: pip install 'sb3_influence[{extra}]'",
-            name=error.name,
+            name=package,
         ) from error

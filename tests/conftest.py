@@ -11,13 +11,20 @@ from stable_baselines3.common.preprocessing import preprocess_obs
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 
 from sb3_influence.common import sb3_compat
+from sb3_influence.extras import EXTRA_MODULES
 
 
 def requires(*modules: str, extra: str) -> pytest.MarkDecorator:
     """
     Skip a test where one of ``modules`` is not installed, naming the extra that installs it: the suite passes with
     the core requirements alone (the README's test command installs every extra, so nothing is skipped in CI).
+
+    :param modules: Top-level modules the test imports.
+    :param extra: The extra that installs them (checked against ``sb3_influence.extras.EXTRA_MODULES``).
+    :return: The ``skipif`` mark.
     """
+    unlisted = set(modules) - set(EXTRA_MODULES[extra])
+    assert not unlisted, f"EXTRA_MODULES[{extra!r}] does not list {sorted(unlisted)}"
     missing = [module for module in modules if importlib.util.find_spec(module) is None]
     return pytest.mark.skipif(
         bool(missing), reason=f"{', '.join(missing)} not installed: install the {extra} extra, pip install -e '.[{extra}]'"

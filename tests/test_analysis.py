@@ -6,7 +6,6 @@ import pytest
 import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
 
-from conftest import requires
 from sb3_influence import ActionTarget, InfluencePPO
 from sb3_influence.common import sb3_compat
 from sb3_influence.common.snapshots import save_snapshot
@@ -321,7 +320,6 @@ def test_state_embeddings():
         state_embeddings(model, obs, kind="bad")
 
 
-@requires("matplotlib", extra="analysis")
 def test_behaviour_formation_rounds(tmp_path):
     env = frozen_lake()
     # The behaviour "go right in the start state"
@@ -344,10 +342,11 @@ def test_behaviour_formation_rounds(tmp_path):
     assert formation["positive_fraction"].iloc[-1] == (scores > 0).mean()
     expected = graph_roughness(scores, coordinates(last["obs"].reshape(-1, 1).astype(float)), n_neighbors=5)
     assert formation["roughness"].iloc[-1] == pytest.approx(expected, nan_ok=True)
-    figure = plot_phases(formation, title="right at start")
-    assert len(figure.axes) == 3
     with pytest.raises(ValueError, match="not in this snapshot"):
         behaviour_formation(tmp_path, target="return")
+    pytest.importorskip("matplotlib", reason="the plot: install the analysis extra, pip install -e '.[analysis]'")
+    figure = plot_phases(formation, title="right at start")
+    assert len(figure.axes) == 3
     with pytest.raises(ValueError, match="lacks the columns"):
         plot_phases(formation.drop(columns=["roughness"]))
 

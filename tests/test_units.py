@@ -10,6 +10,7 @@ from conftest import (
     policy_for,
     reference_log_prob_grads,
     reference_training_advantages,
+    requires,
 )
 from stable_baselines3.common.env_util import make_vec_env
 
@@ -213,8 +214,8 @@ def test_trajectory_budget_in_records_or_units(budget):
     assert callback.settings["budget"] == budget
 
 
+@requires("matplotlib", extra="analysis")
 def test_report_shows_trajectory_rows(tmp_path):
-    pytest.importorskip("matplotlib")
     from sb3_influence.analysis import build_report
 
     model = build(cls=InfluenceMaskablePPO, masked=True, n_steps=32)

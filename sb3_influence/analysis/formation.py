@@ -200,10 +200,10 @@ def plot_phases(formation: "pd.DataFrame", title: str | None = None) -> "Figure"
     :param title: Figure title.
     :return: A matplotlib figure (three panels sharing the round axis).
     """
-    matplotlib_figure = import_optional("matplotlib.figure", "analysis", "plot_phases()")
     missing = {"round", "association", "roughness", "scale"} - set(formation.columns)
     if missing:
         raise ValueError(f"formation lacks the columns {sorted(missing)}: pass what behaviour_formation() returns")
+    matplotlib_figure = import_optional("matplotlib.figure", "analysis", "plot_phases()")
     figure = matplotlib_figure.Figure(figsize=(9, 2.8), layout="constrained")
     axes = figure.subplots(1, 3, sharex=True)
     panels = (

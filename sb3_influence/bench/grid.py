@@ -20,6 +20,7 @@ from typing import Any
 from sb3_influence.bench.harness import checkpoint_path, resume_round, run_config, run_one, write_json
 from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, arms_for, cell_name, check_names, result_path
 from sb3_influence.common.progress import Progress
+from sb3_influence.extras import import_optional
 
 # Seconds between two looks at the result files of the running runs (while waiting for a run to end)
 _POLL_S = 0.5
@@ -151,12 +152,7 @@ def _execute_star(args: tuple[Job, str, int]) -> tuple[str, dict[str, Any]]:
 
 
 def _ray_results(jobs: Sequence[Job], out: str, workers: int, niceness: int, address: str | None) -> Iterator[Any]:
-    try:
-        import ray
-    except ImportError as error:
-        raise ImportError(
-            "backend 'ray' needs Ray: pip install 'sb3_influence[distributed]' (or use --backend process)"
-        ) from error
+    ray = import_optional("ray", "distributed", "backend 'ray' (or use --backend process)")
     started = not ray.is_initialized()
     if started:
         if address is None:

@@ -28,6 +28,7 @@ from sb3_influence.bench.protocol import (
     run_kwargs,
 )
 from sb3_influence.bench.summary import load_runs, markdown_table, percent, plot, summarize
+from sb3_influence.extras import import_optional
 
 # The paper's IIF numbers (Hu et al. 2025): SE_ave, SE_peak, RT_peak as (mean, s.e.) in percent (Sec. 5 main
 # results; Table 3 for Adam, which reports no RT_peak) and the 95 % CI of the final-return gain (Table 4)
@@ -331,9 +332,9 @@ def _aggregate_groups(cells: list[_Cell]) -> list[tuple[list[_Cell], tuple[str, 
 def _aggregate(cells: list[_Cell], figures: str, relative: str, name: str, title: str) -> str:
     """rliable's IQM, optimality gap, probability of improvement and profiles over the complete cells; an arm that
     applies to only some of them (``Arm.settings``) gets its own task set, the cells where it applies."""
-    from rliable.metrics import probability_of_improvement as task_poi
-
     from sb3_influence.bench.stats import aggregate_metrics, plot_aggregates, probability_of_improvement
+
+    task_poi = import_optional("rliable.metrics", "bench", "the aggregate statistics").probability_of_improvement
 
     groups = _aggregate_groups(cells)
     if not groups:

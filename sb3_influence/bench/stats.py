@@ -16,18 +16,15 @@ import numpy as np
 
 from sb3_influence.bench.metrics import curve_mean
 from sb3_influence.bench.protocol import ENVS
-from sb3_influence.bench.summary import curve
+from sb3_influence.bench.summary import curve, pyplot
+from sb3_influence.extras import import_optional
 
 # A statistic of a score matrix (runs × tasks) -> a number
 Statistic = Callable[[np.ndarray], float]
 
 
 def _rliable_metrics() -> Any:
-    try:
-        from rliable import metrics
-    except ImportError as error:
-        raise ImportError("the aggregate statistics need rliable: pip install 'sb3_influence[bench]'") from error
-    return metrics
+    return import_optional("rliable.metrics", "bench", "the aggregate statistics")
 
 
 def normalized_score(result: dict[str, Any], env: str, kind: str = "curve", final_window: int = 5) -> float:
@@ -161,11 +158,7 @@ def plot_aggregates(
     """
     import os
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(11, 2.8))
     arms = list(aggregates)
     for ax, name in zip(axes[:2], ("iqm", "optimality_gap"), strict=True):

@@ -9,6 +9,14 @@ import numpy as np
 
 from sb3_influence.bench.protocol import ARMS, ENVS, cell_name
 from sb3_influence.bench.metrics import bootstrap_ci, curve_mean, speedup_metrics
+from sb3_influence.extras import import_optional
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (the benchmark plots are files), from the ``bench`` extra."""
+    matplotlib = import_optional("matplotlib", "bench", "the benchmark plots")
+    matplotlib.use("Agg")
+    return import_optional("matplotlib.pyplot", "bench", "the benchmark plots")
 
 
 def same_start(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -129,11 +137,7 @@ def plot(directory: str, env: str, path: str, title: str | None = None) -> bool:
     runs = load_runs(directory)
     if not runs:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for arm, spec in ARMS.items():
         if arm not in runs:
