@@ -16,7 +16,7 @@ import numpy as np
 
 from sb3_influence.bench.metrics import curve_mean
 from sb3_influence.bench.protocol import ENVS
-from sb3_influence.bench.summary import curve, pyplot
+from sb3_influence.bench.summary import curve, figure
 from sb3_influence.extras import import_optional
 
 # A statistic of a score matrix (runs × tasks) -> a number
@@ -158,8 +158,8 @@ def plot_aggregates(
     """
     import os
 
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(11, 2.8))
+    fig = figure((11, 2.8))
+    axes = fig.subplots(1, 3)
     arms = list(aggregates)
     for ax, name in zip(axes[:2], ("iqm", "optimality_gap"), strict=True):
         for i, arm in enumerate(arms):
@@ -178,4 +178,3 @@ def plot_aggregates(
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)

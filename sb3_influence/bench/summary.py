@@ -12,11 +12,15 @@ from sb3_influence.bench.metrics import bootstrap_ci, curve_mean, speedup_metric
 from sb3_influence.extras import import_optional
 
 
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (the benchmark plots are files), from the ``bench`` extra."""
-    matplotlib = import_optional("matplotlib", "bench", "the benchmark plots")
-    matplotlib.use("Agg")
-    return import_optional("matplotlib.pyplot", "bench", "the benchmark plots")
+def figure(figsize: tuple[float, float]) -> Any:
+    """
+    A matplotlib figure for a benchmark plot (the ``bench`` extra), made without pyplot: it is only saved to a file,
+    and the backend of the caller's session is left alone.
+
+    :param figsize: Width and height in inches.
+    :return: The ``matplotlib.figure.Figure``.
+    """
+    return import_optional("matplotlib.figure", "bench", "the benchmark plots").Figure(figsize=figsize)
 
 
 def same_start(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -137,8 +141,8 @@ def plot(directory: str, env: str, path: str, title: str | None = None) -> bool:
     runs = load_runs(directory)
     if not runs:
         return False
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig = figure((5, 3.2))
+    ax = fig.subplots()
     for arm, spec in ARMS.items():
         if arm not in runs:
             continue
@@ -163,7 +167,6 @@ def plot(directory: str, env: str, path: str, title: str | None = None) -> bool:
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return True
 
 
