@@ -1,4 +1,5 @@
 import json
+import itertools
 import os
 import subprocess
 import sys
@@ -801,8 +802,11 @@ def test_docs_page_with_an_arm_that_applies_to_some_cells(tmp_path):
     assert "| MiniGrid | sb3 | 40 | 2/2 | 2/2 | 2/2 | 0/2 | — | — | 0.06 | incomplete |" in text
     # Cost: 4 arms in the Adam cells, iif-aware counting as its cost's worth of runs of 0.01 CPU h
     cost = bench.ARMS["iif-aware"].cost
-    assert f"| MiniGrid | sgd | 0.01 | 5 (dtv-loo ×1.5) | {0.01 * 5.5 * 2:.1f} | measured, mean of 10 finished runs |" in text
-    assert f"| MiniGrid | adam1e-3 | 0.01 | 4 (iif-aware ×{cost:g}) | {0.01 * (3 + cost) * 2:.1f} | measured" in text
+    assert (
+        f"| MiniGrid | sgd | 0.01 | 5 (dtv-loo ×1.5) | {0.01 * 5.5 * 2:.1f} | 0.0 | measured, mean of 10 finished runs |"
+        in text
+    )
+    assert f"| MiniGrid | adam1e-3 | 0.01 | 4 (iif-aware ×{cost:g}) | {0.01 * (3 + cost) * 2:.1f} | 0.0 | measured" in text
     # Results and reading: iif-aware against PPO where it ran
     assert "| MiniGrid adam1e-3 | iif-aware | 2 |" in text and "| MiniGrid sgd | iif-aware" not in text
     assert "| MiniGrid adam1e-3 | iif-aware | **" in text and "| MiniGrid sb3 | iif-aware | incomplete (0/2 seeds)" in text
@@ -858,7 +862,7 @@ def test_variant_cell_needs_ppo_and_iif_and_joins_another_arm_once_it_ran(tmp_pa
     assert "| LunarLander sgd+drop-partial | iif | 1.00 [1.00, 1.00] | ahead | 1.00 [1.00, 1.00] | ahead |" in text
     assert "| LunarLander | sgd+drop-partial | 150 | 2/2 | 2/2 | — | — | — | — | 2.00 | complete |" in text
     # PPO's runs there are the cell's without the variant: its cost counts IIF's runs only
-    assert "| LunarLander | sgd+drop-partial | 1.00 | 2 (ppo reused) | 2.0 | measured, mean of 2 finished runs |" in text
+    assert "| LunarLander | sgd+drop-partial | 1.00 | 2 (ppo reused) | 2.0 | 0.0 | measured, mean of 2 finished runs |" in text
     assert bench.reuses_unfiltered("ppo", ["drop-partial"]) and not bench.reuses_unfiltered("ppo", ["clip0.5"])
     assert not bench.reuses_unfiltered("iif", ["drop-partial"]) and not bench.reuses_unfiltered("ppo", [])
     with pytest.raises(ValueError, match="unknown variant 'bogus'"):
@@ -879,7 +883,7 @@ def test_variant_cell_needs_ppo_and_iif_and_joins_another_arm_once_it_ran(tmp_pa
     assert {"LunarLander sgd", "LunarLander sgd+drop-partial"} <= set(report["complete"])
     assert "Tasks: LunarLander sgd (2 seeds each)." in text and "Tasks: LunarLander sgd, " not in text
     # PPO trained in the variant cell (its base run started from other weights) counts in the cost
-    assert "| LunarLander | sgd+drop-partial | 0.34 | 3 | 2.0 | measured, mean of 6 finished runs |" in text
+    assert "| LunarLander | sgd+drop-partial | 0.34 | 3 | 2.0 | 0.0 | measured, mean of 6 finished runs |" in text
     # A variant that changes PPO too (clip0.5) compares PPO with PPO without it as well
     for seed in (0, 1):
         for arm, returns in curves.items():
@@ -887,6 +891,46 @@ def test_variant_cell_needs_ppo_and_iif_and_joins_another_arm_once_it_ran(tmp_pa
     report, text = page()
     assert "| LunarLander sgd+clip0.5 | ppo | 0.00 [0.00, 0.00] | behind | 0.00 [0.00, 0.00] | behind |" in text
     assert "| LunarLander sgd+clip0.5 | iif |" in text and "| LunarLander sgd+drop-partial | ppo |" not in text
+
+
+def test_cost_table_counts_what_is_left_from_each_unfinished_runs_checkpoint(tmp_path):
+    pytest.importorskip("rliable.metrics", reason="install the bench extra: pip install -e '.[bench]'")
+    from sb3_influence.bench.harness import checkpoint_path
+    from sb3_influence.bench.page import generate_page
+
+    out, legacy = str(tmp_path / "grid"), str(tmp_path / "legacy")
+    cell = ("LunarLander", "adam1e-3")
+    # A cell of 1 CPU h per run: PPO both seeds, IIF seed 0 finished
+    for arm, seed in (("ppo", 0), ("ppo", 1), ("iif", 0)):
+        _fake_grid_run(out, *cell, arm, seed, [-200.0, -100.0, 0.0, 100.0 + seed], cpu_s=3600.0)
+    # IIF seed 1 is unfinished at round 55 of its 150 with a round-50 checkpoint: 100/150 of a run left
+    config = bench.run_config(*cell, "iif", 1)
+    unfinished = {"config": config, "complete": False, "checkpoint_round": 50, "total_cpu_time": 1200.0,
+                  "rows": [dict(round=r, eval_return=0.0) for r in range(56)]}  # fmt: skip
+    bench.write_json(bench.result_path(out, *cell, "iif", 1), unfinished)
+    checkpoint = checkpoint_path(out, *cell, "iif", 1)
+    os.makedirs(os.path.dirname(checkpoint))
+    open(checkpoint, "wb").close()
+    template = tmp_path / "page.md.in"
+    template.write_text("{{cost}}")
+    output = tmp_path / "page.md"
+
+    def row():
+        generate_page(str(template), str(output), str(tmp_path / "fig"), out, legacy, seeds=(0, 1))
+        return next(line for line in output.read_text().splitlines() if line.startswith("| LunarLander | adam1e-3 |"))
+
+    aware = bench.ARMS["iif-aware"].cost
+    start = f"| LunarLander | adam1e-3 | 1.00 | 4 (iif-aware ×{aware:g}) | {(3 + aware) * 2:.1f} |"
+    # Left: two thirds of IIF seed 1, both random seeds and both iif-aware seeds at their cost
+    assert row() == f"{start} {2 / 3 + 2 + 2 * aware:.1f} | measured, mean of 3 finished runs |"
+    # Without its checkpoint the run starts again from round 1: all of it is left
+    os.remove(checkpoint)
+    assert row() == f"{start} {3 + 2 * aware:.1f} | measured, mean of 3 finished runs |"
+    # Once every needed run finished nothing is left, though an opt-in arm that joined the cell has a seed to go
+    for arm, seed in itertools.product(("iif", "random", "iif-aware"), (0, 1)):
+        _fake_grid_run(out, *cell, arm, seed, [-200.0, -100.0, 0.0, 50.0], cpu_s=3600.0 * bench.ARMS[arm].cost)
+    _fake_grid_run(out, *cell, "iif-smoothed", 0, [-200.0, -100.0, 0.0, 50.0], cpu_s=3600.0 * 6)
+    assert "| 0.0 | measured, mean of 9 finished runs |" in row()
 
 
 def test_opt_in_arm_runs_only_where_named_and_joins_the_page_once_it_ran(tmp_path):

@@ -8,6 +8,7 @@ finished is shown as incomplete, never as a result.
 
 from types import MappingProxyType
 import itertools
+import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from sb3_influence.bench.grid import Job, cpu_hours, grid
+from sb3_influence.bench.harness import checkpoint_path, resume_round, run_config
 from sb3_influence.bench.protocol import (
     ARMS,
     ENVS,
@@ -143,8 +145,6 @@ def _partial(cell: _Cell, arm: str) -> str:
     for job in _jobs(cell):
         path = job.path(os.path.dirname(os.path.dirname(cell.directory)))
         if job.arm == arm and os.path.exists(path) and job.seed not in cell.runs.get(arm, {}):
-            import json
-
             with open(path) as file:
                 result = json.load(file)
             progress.append(f"seed {job.seed} at round {result['rows'][-1]['round']}/{result['config']['rounds']}")
@@ -182,8 +182,6 @@ def _arm_cost(arm: str) -> float:
 def _run_cost(cell: _Cell, probes: dict[str, Any]) -> tuple[float, str]:
     """CPU hours of one run of a cell by an arm of cost 1 (runs of costlier arms are divided by their cost) and
     where the number comes from."""
-    import json
-
     finished = [
         r["total_cpu_time"] / _arm_cost(arm)
         for arm, runs in cell.runs.items()
@@ -228,28 +226,52 @@ def _arms_cell(cell: _Cell) -> str:
     return f"{len(cell.arms)}" + (f" ({', '.join(costly)})" if costly else "")
 
 
-def _cost(cells: list[_Cell], probe_path: str) -> str:
-    import json
+def _left(cell: _Cell, per_run: float) -> float:
+    """
+    CPU hours the cell still needs to be complete: for each run of an arm it needs (opt-in arms that joined it are
+    not needed) that has not finished, ``per_run`` × the arm's cost × the share of its rounds after the checkpoint
+    it would resume from (all of them where there is none, or where its file is of another config).
+    """
+    out = os.path.dirname(os.path.dirname(cell.directory))
+    left = 0.0
+    for job in _jobs(cell):
+        if job.arm not in cell.required or job.seed in cell.runs.get(job.arm, {}):
+            continue
+        path = job.path(out)
+        previous = None
+        if os.path.exists(path):
+            with open(path) as file:
+                previous = json.load(file)
+        config = run_config(job.env, job.setting, job.arm, job.seed, job.variants, job.rounds, job.eval_episodes)
+        checkpoint = checkpoint_path(out, job.env, job.setting, job.arm, job.seed, job.variants)
+        done = resume_round(previous, config, checkpoint)
+        left += per_run * _cell_cost(cell, job.arm) * (1.0 - done / config["rounds"])
+    return left
 
+
+def _cost(cells: list[_Cell], probe_path: str) -> str:
     probes = {}
     if os.path.exists(probe_path):
         with open(probe_path) as file:
             probes = json.load(file)["cells"]
     lines = [
-        f"| env | setting | CPU h per run | arms | CPU h per cell (arms × {len(cells[0].seeds)} seeds) | source |",
-        "|---|---|---|---|---|---|",
+        f"| env | setting | CPU h per run | arms | CPU h per cell (arms × {len(cells[0].seeds)} seeds) | CPU h left "
+        "| source |",
+        "|---|---|---|---|---|---|---|",
     ]
-    total = 0.0
+    total = total_left = 0.0
     for cell in cells:
         per_run, source = _run_cost(cell, probes)
         per_cell = per_run * sum(_cell_cost(cell, arm) for arm in cell.arms) * len(cell.seeds)
+        left = _left(cell, per_run)
         total += per_cell if np.isfinite(per_cell) else 0.0
+        total_left += left if np.isfinite(left) else 0.0
         arms = _arms_cell(cell)
-        shown = f"{per_run:.2f} | {arms} | {per_cell:.1f}" if np.isfinite(per_run) else f"— | {arms} | —"
+        shown = f"{per_run:.2f} | {arms} | {per_cell:.1f} | {left:.1f}" if np.isfinite(per_run) else f"— | {arms} | — | —"
         lines.append(f"| {cell.env} | {cell.name} | {shown} | {source} |")
     unmeasured = sum(not np.isfinite(_run_cost(cell, probes)[0]) for cell in cells)
-    bound = f"≥ {total:.0f} ({unmeasured} cells not measured)" if unmeasured else f"{total:.0f}"
-    lines.append(f"| **all** | | | | **{bound}** | |")
+    bound, note = ("≥ ", f" ({unmeasured} cells not measured)") if unmeasured else ("", "")
+    lines.append(f"| **all** | | | | **{bound}{total:.0f}{note}** | **{bound}{total_left:.0f}** | |")
     return "\n".join(lines)
 
 
