@@ -193,8 +193,18 @@ def test_bad_inputs(tmp_path):
         bench.grid(["CartPole"], ["ppo"], [0], variants=["fast"])
     with pytest.raises(ValueError, match="eval_episodes"):
         bench.grid(["CartPole"], ["ppo"], [0], eval_episodes=0)
-    with pytest.raises(ValueError, match="seeds"):
+    with pytest.raises(ValueError, match="seeds is empty"):
         bench.grid(["CartPole"], ["ppo"], [])
+    # Before any run starts, not in a worker after the grid started (gymnasium refuses negative seeds)
+    with pytest.raises(ValueError, match=r"seeds must be ints >= 0 \(gymnasium's seeds\), got -1"):
+        bench.grid(["CartPole"], ["ppo"], [0, -1])
+    with pytest.raises(ValueError, match=r"got 1\.5"):
+        bench.grid(["CartPole"], ["ppo"], [1.5])
+    with pytest.raises(ValueError, match=r"seeds \[0\] are given twice"):
+        bench.grid(["CartPole"], ["ppo"], [0, 1, 0])
+    with pytest.raises(ValueError, match="got -3"):
+        bench.run_one("CartPole", "ppo", -3, str(tmp_path))
+    assert not os.listdir(tmp_path)
     with pytest.raises(ValueError, match="backend"):
         bench.run_grid([], str(tmp_path), backend="slurm")
 

@@ -18,7 +18,16 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from sb3_influence.bench.harness import checkpoint_path, resume_round, run_config, run_one, write_json
-from sb3_influence.bench.protocol import ARMS, ENVS, PAPER_ENVS, arms_for, cell_name, check_names, result_path
+from sb3_influence.bench.protocol import (
+    ARMS,
+    ENVS,
+    PAPER_ENVS,
+    arms_for,
+    cell_name,
+    check_names,
+    check_seeds,
+    result_path,
+)
 from sb3_influence.common.progress import Progress
 from sb3_influence.extras import import_optional
 
@@ -83,12 +92,11 @@ def grid(
     :param rounds: Rounds per run (default: each cell's budget).
     :param eval_episodes: Evaluation episodes.
     :return: The jobs.
-    :raises ValueError: For unknown names, no seeds, or an arm given in ``arms`` that applies to none of the cells
-        asked for (it would have no job at all).
+    :raises ValueError: For unknown names, no seeds, a seed below 0 or given twice, or an arm given in ``arms``
+        that applies to none of the cells asked for (it would have no job at all).
     """
     check_names(envs=envs, settings=settings or (), arms=arms or (), variants=variants)
-    if not seeds:
-        raise ValueError("seeds is empty: give at least one seed, e.g. --seeds 0 1 2 3 4")
+    check_seeds(seeds)
     jobs = []
     for env in envs:
         for setting in ENVS[env].settings if settings is None else settings:

@@ -24,6 +24,7 @@ from sb3_influence.bench.protocol import (
     cell_name,
     check_applies,
     check_names,
+    check_seeds,
     result_path,
     reuses_unfiltered,
     run_kwargs,
@@ -205,10 +206,11 @@ def run_config(
     not ``IIFCallback``, so that the configs of the arms without them stay what they were.
 
     :raises ValueError: For an unknown name, an arm that does not apply to ``setting`` or ``env`` (``Arm.settings``,
-        ``Arm.envs``), or
-        ``rounds`` / ``eval_episodes`` below 1.
+        ``Arm.envs``), a
+        seed that is not an int >= 0, or ``rounds`` / ``eval_episodes`` below 1.
     """
     check_names(envs=[env], settings=[setting], arms=[arm], variants=variants)
+    check_seeds([seed])
     check_applies(arm, setting, env)
     spec = ENVS[env]
     kwargs = run_kwargs(spec, setting, variants)

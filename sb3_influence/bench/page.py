@@ -25,6 +25,7 @@ from sb3_influence.bench.protocol import (
     PAPER_ENVS,
     SETTINGS,
     arms_for,
+    check_seeds,
     result_path,
     reuses_unfiltered,
     run_kwargs,
@@ -567,7 +568,9 @@ def generate_page(
     :param legacy: Results directory of the superseded protocol (``<legacy>/<env>/<arm>_seed<seed>.json``).
     :param seeds: The seeds a complete cell has.
     :return: What was generated: complete and incomplete cells, CPU hours.
+    :raises ValueError: For a template block not in :data:`BLOCKS`, or seeds that are empty, below 0 or repeated.
     """
+    check_seeds(seeds)
     with open(template) as file:
         text = file.read()
     unknown = sorted(set(re.findall(r"\{\{(\w+)\}\}", text)) - set(BLOCKS))

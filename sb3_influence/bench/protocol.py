@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
@@ -383,6 +385,21 @@ def check_names(
         for name in names:
             if name not in known:
                 raise ValueError(f"unknown {kind} {name!r}: choose from {sorted(known)}")
+
+
+def check_seeds(seeds: Sequence[int]) -> None:
+    """
+    Raise ``ValueError`` for an empty list of seeds, a seed that is not an int >= 0 (gymnasium refuses the others,
+    in the run, after the grid started), or a seed given twice (two runs would write one result file).
+    """
+    if not seeds:
+        raise ValueError("seeds is empty: give at least one seed, e.g. --seeds 0 1 2 3 4")
+    for seed in seeds:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seeds must be ints >= 0 (gymnasium's seeds), got {seed!r}: e.g. --seeds 0 1 2 3 4")
+    repeated = sorted({int(seed) for seed in seeds if list(seeds).count(seed) > 1})
+    if repeated:
+        raise ValueError(f"seeds {repeated} are given twice: each seed is one run per arm, give it once")
 
 
 def run_kwargs(spec: EnvSpec, setting: str, variants: Sequence[str] = ()) -> dict[str, Any]:
