@@ -206,8 +206,8 @@ def run_config(
     not ``IIFCallback``, so that the configs of the arms without them stay what they were.
 
     :raises ValueError: For an unknown name, an arm that does not apply to ``setting`` or ``env`` (``Arm.settings``,
-        ``Arm.envs``), a
-        seed that is not an int >= 0, or ``rounds`` / ``eval_episodes`` below 1.
+        ``Arm.envs``), a seed
+        that is not an int >= 0, or ``rounds`` / ``eval_episodes`` below 1.
     """
     check_names(envs=[env], settings=[setting], arms=[arm], variants=variants)
     check_seeds([seed])

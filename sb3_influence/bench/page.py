@@ -83,7 +83,7 @@ class _Cell:
     complete it is."""
 
     def __init__(self, out: str, env: str, name: str, seeds: Sequence[int], legacy: bool = False):
-        self.env, self.name, self.legacy = env, name, legacy
+        self.out, self.env, self.name, self.legacy = out, env, name, legacy
         self.directory = os.path.join(out, env) if legacy else os.path.join(out, env, name)
         self.runs = load_runs(self.directory)
         self.seeds = list(seeds)
@@ -144,7 +144,7 @@ def _partial(cell: _Cell, arm: str) -> str:
     text = f"{len(cell.complete_seeds(arm))}/{len(cell.seeds)}"
     progress = []
     for job in _jobs(cell):
-        path = job.path(os.path.dirname(os.path.dirname(cell.directory)))
+        path = job.path(cell.out)
         if job.arm == arm and os.path.exists(path) and job.seed not in cell.runs.get(arm, {}):
             with open(path) as file:
                 result = json.load(file)
@@ -233,18 +233,17 @@ def _left(cell: _Cell, per_run: float) -> float:
     not needed) that has not finished, ``per_run`` × the arm's cost × the share of its rounds after the checkpoint
     it would resume from (all of them where there is none, or where its file is of another config).
     """
-    out = os.path.dirname(os.path.dirname(cell.directory))
     left = 0.0
     for job in _jobs(cell):
         if job.arm not in cell.required or job.seed in cell.runs.get(job.arm, {}):
             continue
-        path = job.path(out)
+        path = job.path(cell.out)
         previous = None
         if os.path.exists(path):
             with open(path) as file:
                 previous = json.load(file)
         config = run_config(job.env, job.setting, job.arm, job.seed, job.variants, job.rounds, job.eval_episodes)
-        checkpoint = checkpoint_path(out, job.env, job.setting, job.arm, job.seed, job.variants)
+        checkpoint = checkpoint_path(cell.out, job.env, job.setting, job.arm, job.seed, job.variants)
         done = resume_round(previous, config, checkpoint)
         left += per_run * _cell_cost(cell, job.arm) * (1.0 - done / config["rounds"])
     return left
