@@ -7,6 +7,7 @@ no code branches on arm names.
 """
 
 from types import MappingProxyType
+import collections
 import dataclasses
 import math
 import os
@@ -397,7 +398,7 @@ def check_seeds(seeds: Sequence[int]) -> None:
     for seed in seeds:
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seeds must be ints >= 0 (gymnasium's seeds), got {seed!r}: e.g. --seeds 0 1 2 3 4")
-    repeated = sorted({int(seed) for seed in seeds if list(seeds).count(seed) > 1})
+    repeated = sorted(int(seed) for seed, count in collections.Counter(seeds).items() if count > 1)
     if repeated:
         raise ValueError(f"seeds {repeated} are given twice: each seed is one run per arm, give it once")
 
