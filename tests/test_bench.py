@@ -903,17 +903,17 @@ def test_variant_cell_needs_ppo_and_iif_and_joins_another_arm_once_it_ran(tmp_pa
     assert "| LunarLander sgd+clip0.5 | iif |" in text and "| LunarLander sgd+drop-partial | ppo |" not in text
 
 
-def test_cost_table_counts_what_is_left_from_each_unfinished_runs_checkpoint(tmp_path):
-    pytest.importorskip("rliable.metrics", reason="install the bench extra: pip install -e '.[bench]'")
+def _cell_with_an_unfinished_run(out):
+    """LunarLander adam1e-3 at 1 CPU h per run: PPO seeds 0 and 1 and IIF seed 0 finished, IIF seed 1 unfinished at
+    round 55 of its 150 with a round-50 checkpoint (100/150 of a run left). Returns the checkpoint's path."""
     from sb3_influence.bench.harness import checkpoint_path
-    from sb3_influence.bench.page import generate_page
 
-    out, legacy = str(tmp_path / "grid"), str(tmp_path / "legacy")
     cell = ("LunarLander", "adam1e-3")
-    # A cell of 1 CPU h per run: PPO both seeds, IIF seed 0 finished
     for arm, seed in (("ppo", 0), ("ppo", 1), ("iif", 0)):
         _fake_grid_run(out, *cell, arm, seed, [-200.0, -100.0, 0.0, 100.0 + seed], cpu_s=3600.0)
-    # IIF seed 1 is unfinished at round 55 of its 150 with a round-50 checkpoint: 100/150 of a run left
+        # Of the protocol's config, as a finished run of the grid is (``bench run`` skips it)
+        with open(bench.result_path(out, *cell, arm, seed)) as file:
+            bench.write_json(file.name, {**json.load(file), "config": bench.run_config(*cell, arm, seed)})
     config = bench.run_config(*cell, "iif", 1)
     unfinished = {"config": config, "complete": False, "checkpoint_round": 50, "total_cpu_time": 1200.0,
                   "rows": [dict(round=r, eval_return=0.0) for r in range(56)]}  # fmt: skip
@@ -921,6 +921,16 @@ def test_cost_table_counts_what_is_left_from_each_unfinished_runs_checkpoint(tmp
     checkpoint = checkpoint_path(out, *cell, "iif", 1)
     os.makedirs(os.path.dirname(checkpoint))
     open(checkpoint, "wb").close()
+    return checkpoint
+
+
+def test_cost_table_counts_what_is_left_from_each_unfinished_runs_checkpoint(tmp_path):
+    pytest.importorskip("rliable.metrics", reason="install the bench extra: pip install -e '.[bench]'")
+    from sb3_influence.bench.page import generate_page
+
+    out, legacy = str(tmp_path / "grid"), str(tmp_path / "legacy")
+    cell = ("LunarLander", "adam1e-3")
+    checkpoint = _cell_with_an_unfinished_run(out)
     template = tmp_path / "page.md.in"
     template.write_text("{{cost}}")
     output = tmp_path / "page.md"
@@ -941,6 +951,33 @@ def test_cost_table_counts_what_is_left_from_each_unfinished_runs_checkpoint(tmp
         _fake_grid_run(out, *cell, arm, seed, [-200.0, -100.0, 0.0, 50.0], cpu_s=3600.0 * bench.ARMS[arm].cost)
     _fake_grid_run(out, *cell, "iif-smoothed", 0, [-200.0, -100.0, 0.0, 50.0], cpu_s=3600.0 * 6)
     assert "| 0.0 | measured, mean of 9 finished runs |" in row()
+
+
+def test_bench_run_says_how_many_cpu_hours_its_runs_still_need(tmp_path, monkeypatch, capsys):
+    from sb3_influence.bench.page import hours_left
+
+    out = str(tmp_path / "grid")
+    checkpoint = _cell_with_an_unfinished_run(out)
+    cell = (["LunarLander"], ["adam1e-3"])
+    aware = bench.ARMS["iif-aware"].cost
+    # The cost table's count for the jobs asked for: two thirds of IIF seed 1, the random and iif-aware seeds
+    assert hours_left(bench.grid(cell[0], seeds=[0, 1], settings=cell[1]), out) == pytest.approx(2 / 3 + 2 + 2 * aware)
+    assert hours_left(bench.grid(cell[0], ["iif"], [0, 1], cell[1]), out) == pytest.approx(2 / 3)
+    # Twice the protocol's rounds is another config: the run starts again and is two runs long
+    assert hours_left(bench.grid(cell[0], ["iif"], [0, 1], cell[1], rounds=300), out) == pytest.approx(4)
+    os.remove(checkpoint)
+    assert hours_left(bench.grid(cell[0], ["iif"], [0, 1], cell[1]), out) == pytest.approx(1)
+    # A cell no run of which has a cost yet
+    assert np.isnan(hours_left(bench.grid(["BipedalWalker"], ["ppo"], [0], ["adam3e-4"]), out))
+
+    ran = []
+    monkeypatch.setattr(bench, "run_grid", lambda jobs, *args, **kwargs: ran.append(jobs))
+    args = ["run", "--envs", "LunarLander", "--settings", "adam1e-3", "--arms", "iif", "random", "--seeds", "0", "1"]
+    assert bench.main([*args, "--out", out]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("CPU time the 3 runs to do still need: about 3.0 CPU h")
+    assert len(ran[0]) == 4
+    assert bench.main(["run", "--envs", "BipedalWalker", "--arms", "ppo", "--seeds", "0", "--out", out]) == 0
+    assert "not known yet" in capsys.readouterr().out
 
 
 def test_opt_in_arm_runs_only_where_named_and_joins_the_page_once_it_ran(tmp_path):

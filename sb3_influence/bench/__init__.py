@@ -283,6 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
         jobs = grid(args.envs, args.arms, args.seeds, args.settings, args.variants, args.rounds, args.eval_episodes)
+        from sb3_influence.bench.page import hours_left
+
+        todo = missing(jobs, args.out)
+        if todo:
+            left = hours_left(todo, args.out)
+            estimate = f"about {left:.1f} CPU h" if left == left else "not known yet (no run of their cells measured)"
+            print(f"CPU time the {len(todo)} runs to do still need: {estimate}, as docs/benchmarks.md's cost table counts it")
         run_grid(
             jobs,
             args.out,

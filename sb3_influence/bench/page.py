@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from sb3_influence.bench.grid import Job, cpu_hours, grid
+from sb3_influence.bench.grid import Job, cpu_hours, grid, missing
 from sb3_influence.bench.harness import checkpoint_path, resume_round, run_config
 from sb3_influence.bench.protocol import (
     ARMS,
@@ -25,6 +25,7 @@ from sb3_influence.bench.protocol import (
     PAPER_ENVS,
     SETTINGS,
     arms_for,
+    cell_name,
     check_seeds,
     result_path,
     reuses_unfiltered,
@@ -227,33 +228,74 @@ def _arms_cell(cell: _Cell) -> str:
     return f"{len(cell.arms)}" + (f" ({', '.join(costly)})" if costly else "")
 
 
+def _share_left(job: Job, out: str) -> float:
+    """
+    The share of a run of the protocol's length that an unfinished job still needs: its rounds after the
+    checkpoint it would resume from (all of them where there is none, or where its file is of another config), over
+    the protocol's rounds for its cell (a job with ``--rounds`` of its own is a longer or shorter run).
+    """
+    path = job.path(out)
+    previous = None
+    if os.path.exists(path):
+        with open(path) as file:
+            previous = json.load(file)
+    config = run_config(job.env, job.setting, job.arm, job.seed, job.variants, job.rounds, job.eval_episodes)
+    done = resume_round(previous, config, checkpoint_path(out, job.env, job.setting, job.arm, job.seed, job.variants))
+    return (config["rounds"] - done) / run_kwargs(ENVS[job.env], job.setting, job.variants)["rounds"]
+
+
 def _left(cell: _Cell, per_run: float) -> float:
     """
     CPU hours the cell still needs to be complete: for each run of an arm it needs (opt-in arms that joined it are
-    not needed) that has not finished, ``per_run`` × the arm's cost × the share of its rounds after the checkpoint
-    it would resume from (all of them where there is none, or where its file is of another config).
+    not needed) that has not finished, ``per_run`` × the arm's cost × :func:`_share_left`.
     """
+    return sum(
+        per_run * _cell_cost(cell, job.arm) * _share_left(job, cell.out)
+        for job in _jobs(cell)
+        if job.arm in cell.required and job.seed not in cell.runs.get(job.arm, {})
+    )
+
+
+def _probes(out: str) -> dict[str, Any]:
+    """The cost probe's cells (``cost_probe.json`` beside the results directory), empty where it has not run."""
+    path = os.path.join(os.path.dirname(out.rstrip("/")), "cost_probe.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as file:
+        return json.load(file)["cells"]
+
+
+def hours_left(jobs: Sequence[Job], out: str) -> float:
+    """
+    CPU hours the unfinished ``jobs`` still need, estimated as the cost table of ``docs/benchmarks.md`` does: the
+    cost of a run in the job's cell (measured from its finished runs, else extrapolated from its unfinished ones,
+    else the cost probe's) × the arm's cost × :func:`_share_left`.
+
+    :param jobs: From :func:`~sb3_influence.bench.grid.grid`.
+    :param out: Results directory.
+    :return: The hours; ``nan`` where a cell of an unfinished job has no cost measured yet.
+    """
+    probes = _probes(out)
+    cells: dict[tuple[str, str], _Cell] = {}
     left = 0.0
-    for job in _jobs(cell):
-        if job.arm not in cell.required or job.seed in cell.runs.get(job.arm, {}):
-            continue
-        path = job.path(cell.out)
-        previous = None
-        if os.path.exists(path):
-            with open(path) as file:
-                previous = json.load(file)
-        config = run_config(job.env, job.setting, job.arm, job.seed, job.variants, job.rounds, job.eval_episodes)
-        checkpoint = checkpoint_path(cell.out, job.env, job.setting, job.arm, job.seed, job.variants)
-        done = resume_round(previous, config, checkpoint)
-        left += per_run * _cell_cost(cell, job.arm) * (1.0 - done / config["rounds"])
+    for job in missing(jobs, out):
+        key = (job.env, cell_name(job.setting, job.variants))
+        if key not in cells:
+            seeds = sorted(
+                {
+                    other.seed
+                    for other in jobs
+                    if (other.env, other.setting, other.variants) == (job.env, job.setting, job.variants)
+                }
+            )
+            cells[key] = _Cell(out, job.env, key[1], seeds)
+        cell = cells[key]
+        left += _run_cost(cell, probes)[0] * _cell_cost(cell, job.arm) * _share_left(job, out)
     return left
 
 
-def _cost(cells: list[_Cell], probe_path: str) -> str:
-    probes = {}
-    if os.path.exists(probe_path):
-        with open(probe_path) as file:
-            probes = json.load(file)["cells"]
+def _cost(cells: list[_Cell], out: str) -> str:
+    probes = _probes(out)
     lines = [
         f"| env | setting | CPU h per run | arms | CPU h per cell (arms × {len(cells[0].seeds)} seeds) | CPU h left "
         "| source |",
@@ -580,7 +622,7 @@ def generate_page(
     old = [_Cell(legacy, env, "sgd", (0, 1, 2), legacy=True) for env in PAPER_ENVS if os.path.isdir(os.path.join(legacy, env))]
     makers: dict[str, Callable[[], str]] = {
         "status": lambda: _status(cells, out),
-        "cost": lambda: _cost(cells, os.path.join(os.path.dirname(out.rstrip("/")), "cost_probe.json")),
+        "cost": lambda: _cost(cells, out),
         "results": lambda: (
             markdown_table([c.row() for c in cells if c.complete])
             if any(c.complete for c in cells)
