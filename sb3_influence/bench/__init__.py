@@ -21,6 +21,7 @@ RT_peak the same in cumulative time. :mod:`sb3_influence.bench.stats` adds rliab
 
 import argparse
 import json
+import math
 import sys
 
 from sb3_influence.bench.evaluation import EVAL_ENVS, evaluate, exact_frozenlake_return, make_eval_env
@@ -288,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         todo = missing(jobs, args.out)
         if todo:
             left = hours_left(todo, args.out)
-            estimate = f"about {left:.1f} CPU h" if left == left else "not known yet (no run of their cells measured)"
+            known = not math.isnan(left)
+            estimate = f"about {left:.1f} CPU h" if known else "not known yet (no run of their cells measured)"
             print(f"CPU time the {len(todo)} runs to do still need: {estimate}, as docs/benchmarks.md's cost table counts it")
         run_grid(
             jobs,
