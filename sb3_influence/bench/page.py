@@ -276,21 +276,14 @@ def hours_left(jobs: Sequence[Job], out: str) -> float:
     :return: The hours; ``nan`` where a cell of an unfinished job has no cost measured yet.
     """
     probes = _probes(out)
-    cells: dict[tuple[str, str], _Cell] = {}
-    left = 0.0
+    cells: dict[tuple[str, str, tuple[str, ...]], list[Job]] = {}
     for job in missing(jobs, out):
-        key = (job.env, cell_name(job.setting, job.variants))
-        if key not in cells:
-            seeds = sorted(
-                {
-                    other.seed
-                    for other in jobs
-                    if (other.env, other.setting, other.variants) == (job.env, job.setting, job.variants)
-                }
-            )
-            cells[key] = _Cell(out, job.env, key[1], seeds)
-        cell = cells[key]
-        left += _run_cost(cell, probes)[0] * _cell_cost(cell, job.arm) * _share_left(job, out)
+        cells.setdefault((job.env, job.setting, job.variants), []).append(job)
+    left = 0.0
+    for (env, setting, variants), todo in cells.items():
+        cell = _Cell(out, env, cell_name(setting, variants), sorted({job.seed for job in todo}))
+        per_run = _run_cost(cell, probes)[0]
+        left += sum(per_run * _cell_cost(cell, job.arm) * _share_left(job, out) for job in todo)
     return left
 
 
